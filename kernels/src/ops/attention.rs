@@ -26,14 +26,16 @@
 //!   that a training loss masks out, so the tests compare forward values on rows with a visible key only;
 //! - key padding with a block-diagonal mask is refused (the reference ignores the padding there);
 //! - scores, softmax statistics and gradient sums are computed in f64 whatever the storage dtype (f32 or
-//!   f64); the kernel is single-threaded plain loops (no rayon), O(Tq D) extra memory per call in the
-//!   forward, O(Hkv Tk D) f64 accumulators in the backward.
+//!   f64); the kernel is plain loops, parallel over heads with rayon (query heads in the forward,
+//!   key/value heads in the backward, so that no two tasks write one gradient element), O(D) extra
+//!   memory per head in the forward, O(B Hkv Tk D) f64 accumulators in the backward.
 //!
 //! Tests: `cargo test -p askgui-kernels --test grad_attention -- --nocapture`.
 
 use super::{contiguous_slice, dtype_mismatch, dtype_name};
 use crate::attention::AttentionMask;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
+use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
 
 /// Keys scored at once per query row (one FlashAttention-2 key block).
@@ -118,67 +120,71 @@ fn dot<T: WithDType>(a: &[T], b: &[T]) -> f64 {
 }
 
 /// The streaming forward: returns `(O (B, Hq, Tq, D), lse (B, Hq, Tq))`; `lse` is `-inf` for a row with no
-/// visible key, whose output is 0.
+/// visible key, whose output is 0. The `B * Hq` heads run in parallel on candle's CPU thread pool.
 fn forward<T: WithDType>(q: &[T], k: &[T], v: &[T], dims: &Dims, spec: &Spec) -> (Vec<T>, Vec<f64>) {
-    let Dims { b: nb, hq, hkv, tq, tk, d } = *dims;
+    let Dims { hq, hkv, tq, tk, d, .. } = *dims;
     let rep = hq / hkv;
-    let mut out = Vec::with_capacity(q.len());
-    let mut lse = Vec::with_capacity(nb * hq * tq);
-    let mut acc = vec![0f64; d];
-    let mut scores = [0f64; KEY_BLOCK];
-    let mut cols = [0usize; KEY_BLOCK];
-    for b in 0..nb {
-        for h in 0..hq {
-            let kv = (b * hkv + h / rep) * tk;
-            for i in 0..tq {
-                let qi = &q[((b * hq + h) * tq + i) * d..][..d];
-                let (lo, hi) = spec.key_range(dims, i);
-                let (mut m, mut l) = (f64::NEG_INFINITY, 0f64);
-                acc.fill(0.0);
-                let mut j = lo;
-                while j < hi {
-                    // Score one block of visible keys, then fold it into the running statistics.
-                    let mut n = 0;
-                    let mut block_max = f64::NEG_INFINITY;
-                    while j < hi && n < KEY_BLOCK {
-                        if spec.visible(dims, b, j) {
-                            let s = spec.scale * dot(qi, &k[(kv + j) * d..][..d]);
-                            block_max = block_max.max(s);
-                            (scores[n], cols[n]) = (s, j);
-                            n += 1;
-                        }
-                        j += 1;
+    let mut out = vec![T::zero(); q.len()];
+    let mut lse = vec![0f64; dims.b * hq * tq];
+    let heads = out.par_chunks_mut(tq * d).zip(lse.par_chunks_mut(tq)).enumerate();
+    heads.for_each(|(bh, (out, lse))| {
+        let (b, h) = (bh / hq, bh % hq);
+        let kv = (b * hkv + h / rep) * tk;
+        let mut acc = vec![0f64; d];
+        let mut scores = [0f64; KEY_BLOCK];
+        let mut cols = [0usize; KEY_BLOCK];
+        for i in 0..tq {
+            let qi = &q[(bh * tq + i) * d..][..d];
+            let (lo, hi) = spec.key_range(dims, i);
+            let (mut m, mut l) = (f64::NEG_INFINITY, 0f64);
+            acc.fill(0.0);
+            let mut j = lo;
+            while j < hi {
+                // Score one block of visible keys, then fold it into the running statistics.
+                let mut n = 0;
+                let mut block_max = f64::NEG_INFINITY;
+                while j < hi && n < KEY_BLOCK {
+                    if spec.visible(dims, b, j) {
+                        let s = spec.scale * dot(qi, &k[(kv + j) * d..][..d]);
+                        block_max = block_max.max(s);
+                        (scores[n], cols[n]) = (s, j);
+                        n += 1;
                     }
-                    if n == 0 {
-                        continue;
-                    }
-                    let m_new = m.max(block_max);
-                    let c = (m - m_new).exp(); // 0 on the first block (m = -inf)
-                    l *= c;
-                    acc.iter_mut().for_each(|a| *a *= c);
-                    for (&s, &col) in scores[..n].iter().zip(&cols[..n]) {
-                        let p = (s - m_new).exp();
-                        l += p;
-                        for (a, x) in acc.iter_mut().zip(&v[(kv + col) * d..][..d]) {
-                            *a += p * x.to_f64();
-                        }
-                    }
-                    m = m_new;
+                    j += 1;
                 }
-                if l > 0.0 {
-                    out.extend(acc.iter().map(|a| T::from_f64(a / l)));
-                    lse.push(m + l.ln());
-                } else {
-                    out.extend(std::iter::repeat_n(T::zero(), d));
-                    lse.push(f64::NEG_INFINITY);
+                if n == 0 {
+                    continue;
                 }
+                let m_new = m.max(block_max);
+                let c = (m - m_new).exp(); // 0 on the first block (m = -inf)
+                l *= c;
+                acc.iter_mut().for_each(|a| *a *= c);
+                for (&s, &col) in scores[..n].iter().zip(&cols[..n]) {
+                    let p = (s - m_new).exp();
+                    l += p;
+                    for (a, x) in acc.iter_mut().zip(&v[(kv + col) * d..][..d]) {
+                        *a += p * x.to_f64();
+                    }
+                }
+                m = m_new;
+            }
+            // A row with no visible key keeps its zeros.
+            if l > 0.0 {
+                for (o, a) in out[i * d..][..d].iter_mut().zip(&acc) {
+                    *o = T::from_f64(a / l);
+                }
+                lse[i] = m + l.ln();
+            } else {
+                lse[i] = f64::NEG_INFINITY;
             }
         }
-    }
+    });
     (out, lse)
 }
 
 /// The backward: `qod (B, Hq, Tq, 3D)` packs `[q, O, dO]` per row; returns `[dq, dk, dv]` flattened.
+/// The `B * Hkv` key/value heads run in parallel: each owns its `dk`, `dv` and the `dq` of the query
+/// heads that share it, so no two tasks write the same element.
 fn backward<T: WithDType>(qod: &[T], k: &[T], v: &[T], lse: Option<&[f64]>, dims: &Dims, spec: &Spec) -> Vec<T> {
     let Dims { b: nb, hq, hkv, tq, tk, d } = *dims;
     let rep = hq / hkv;
@@ -194,19 +200,20 @@ fn backward<T: WithDType>(qod: &[T], k: &[T], v: &[T], lse: Option<&[f64]>, dims
     let mut dq = vec![0f64; nb * hq * tq * d];
     let mut dk = vec![0f64; k.len()];
     let mut dv = vec![0f64; v.len()];
-    for b in 0..nb {
-        for h in 0..hq {
-            let kv = (b * hkv + h / rep) * tk;
+    let groups = dq.par_chunks_mut(rep * tq * d).zip(dk.par_chunks_mut(tk * d).zip(dv.par_chunks_mut(tk * d)));
+    groups.enumerate().for_each(|(bg, (dq, (dk, dv)))| {
+        let (b, kv) = (bg / hkv, bg * tk);
+        for r in 0..rep {
             for i in 0..tq {
-                let row = (b * hq + h) * tq + i;
+                let row = (bg * rep + r) * tq + i;
                 let li = lse[row];
                 if li == f64::NEG_INFINITY {
                     continue; // no visible key: output 0, no gradient
                 }
-                let r = &qod[row * 3 * d..][..3 * d];
-                let (qi, oi, doi) = (&r[..d], &r[d..2 * d], &r[2 * d..]);
+                let x = &qod[row * 3 * d..][..3 * d];
+                let (qi, oi, doi) = (&x[..d], &x[d..2 * d], &x[2 * d..]);
                 let delta = dot(doi, oi);
-                let dqi = &mut dq[row * d..][..d];
+                let dqi = &mut dq[(r * tq + i) * d..][..d];
                 let (lo, hi) = spec.key_range(dims, i);
                 for j in lo..hi {
                     if !spec.visible(dims, b, j) {
@@ -215,7 +222,7 @@ fn backward<T: WithDType>(qod: &[T], k: &[T], v: &[T], lse: Option<&[f64]>, dims
                     let (kj, vj) = (&k[(kv + j) * d..][..d], &v[(kv + j) * d..][..d]);
                     let p = (spec.scale * dot(qi, kj) - li).exp();
                     let ds = spec.scale * p * (dot(doi, vj) - delta);
-                    let (dkj, dvj) = (&mut dk[(kv + j) * d..][..d], &mut dv[(kv + j) * d..][..d]);
+                    let (dkj, dvj) = (&mut dk[j * d..][..d], &mut dv[j * d..][..d]);
                     for x in 0..d {
                         dvj[x] += p * doi[x].to_f64();
                         dqi[x] += ds * kj[x].to_f64();
@@ -224,7 +231,7 @@ fn backward<T: WithDType>(qod: &[T], k: &[T], v: &[T], lse: Option<&[f64]>, dims
                 }
             }
         }
-    }
+    });
     dq.into_iter().chain(dk).chain(dv).map(T::from_f64).collect()
 }
 

@@ -3,8 +3,8 @@
 //! Why: candle's `matmul` backward computes (and keeps) a gradient for both operands, so every frozen
 //! base projection of a LoRA model would cost a weight-sized gradient buffer per step. This op's `bwd`
 //! returns `None` for `w`, so `w` never enters the `GradStore`; `dx = grad @ w` is all that is computed.
-//! The CPU forward is a row-by-row dot-product loop (both operands are read contiguously along `in`);
-//! it is the correctness path, a GEMM or CUDA path goes beside it.
+//! The CPU forward is one call to the `gemm` crate (the multithreaded, SIMD GEMM candle's own CPU matmul
+//! uses); its twin is [`frozen_linear_reference`], candle's matmul, which the tests compare against.
 //! Tests: `cargo test -p askgui-kernels --test grad_ops`.
 
 use super::{contiguous_slice, dtype_name};
@@ -12,18 +12,40 @@ use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, Wi
 
 struct FrozenLinear;
 
-/// `y[r, o] = sum_i x[r, i] * w[o, i]`, accumulated in the storage dtype.
+/// `y (N, out) = x (N, in) @ w (out, in)^T` by the `gemm` crate, on candle's CPU thread count.
 fn linear_fwd<T: WithDType>(x: &[T], w: &[T], d_in: usize) -> Vec<T> {
-    let d_out = w.len() / d_in;
-    let mut y = Vec::with_capacity(x.len() / d_in * d_out);
-    for xr in x.chunks_exact(d_in) {
-        for wr in w.chunks_exact(d_in) {
-            let mut acc = T::from_f64(0.0);
-            for (a, b) in xr.iter().zip(wr) {
-                acc += *a * *b;
-            }
-            y.push(acc);
-        }
+    let (n, d_out) = (x.len() / d_in, w.len() / d_in);
+    let mut y = vec![T::from_f64(0.0); n * d_out];
+    if n == 0 || d_out == 0 {
+        return y;
+    }
+    let threads = candle_core::utils::get_num_threads();
+    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // SAFETY: the three buffers hold exactly n*in, out*in and n*out elements, and the strides below
+    // (in elements) address only inside them: dst (n, out) row-major; lhs = x (n, in) row-major; rhs =
+    // w^T (in, out), whose element (k, j) is w[j * in + k]. dst is not read (read_dst false, alpha 0).
+    unsafe {
+        gemm::gemm(
+            n,
+            d_out,
+            d_in,
+            y.as_mut_ptr(),
+            1,
+            d_out as isize,
+            false,
+            x.as_ptr(),
+            1,
+            d_in as isize,
+            w.as_ptr(),
+            d_in as isize,
+            1,
+            T::from_f64(0.0),
+            T::from_f64(1.0),
+            false,
+            false,
+            false,
+            par,
+        );
     }
     y
 }
