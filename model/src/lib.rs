@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod generate;
+pub mod grad_checkpoint;
 pub mod image;
 pub mod layers;
 pub mod lora;
@@ -29,3 +30,4 @@ pub use generate::{generate, FinishReason, Generation, Prompt, SamplingParams, T
 pub use image::{load_image, preprocess, ImageProcessorConfig, ProcessedImage};
 pub use lora::{AdapterLayout, LoraConfig};
 pub use model::{mrope_positions, Qwen2Vl};
+pub use train::{StepOptions, StepOutput, TrainExample};

@@ -140,56 +140,92 @@ impl TextDecoder {
         cache: &mut KvCache,
         train: Option<&TrainCtx>,
     ) -> Result<Tensor> {
-        let (b, t, h) = embeds.dims3()?;
-        let dtype = embeds.dtype();
-        let dev = embeds.device();
-        let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim());
-        // (B, T, hd) -> (B, 1, T, hd), shared by all layers
+        let rope = self.rope(positions, embeds.dtype(), embeds.device())?;
+        let mut x = embeds.clone();
+        for (i, slot) in cache.layers.iter_mut().enumerate() {
+            x = self.layer(i, &x, &rope, key_padding, Some(slot), train)?;
+        }
+        self.final_norm(&x, train)
+    }
+
+    /// Number of decoder layers.
+    pub(crate) fn depth(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The seven linears of layer `i`, for [`crate::train`].
+    pub(crate) fn layer_linears(&self, i: usize) -> Vec<&Linear> {
+        let l = &self.layers[i];
+        vec![&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+    }
+
+    /// M-RoPE tables for `positions (3, B, T)`: `(cos, sin)`, each `(B, 1, T, hd)`, shared by all layers.
+    pub(crate) fn rope(&self, positions: &Tensor, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
         let (cos, sin) =
             mrope_cos_sin_reference(&positions.to_device(&Device::Cpu)?, &self.inv_freq, &self.cfg.mrope_section)?;
         let cos = cos.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
         let sin = sin.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
-        let scale = (hd as f64).powf(-0.5);
-        let eps = self.cfg.rms_norm_eps;
-        let rms = |x: &Tensor, w: &Tensor| match train {
-            None => rms_norm_reference(x, w, eps),
-            Some(_) => ops::rms_norm_frozen(x, w, eps),
-        };
+        Ok((cos, sin))
+    }
+
+    /// Layer `i`: `x (B, T, H) -> (B, T, H)`, attention then MLP, both pre-norm and residual. With a
+    /// cache `slot` the layer attends over the cached keys too and appends its own.
+    pub(crate) fn layer(
+        &self,
+        i: usize,
+        x: &Tensor,
+        (cos, sin): &(Tensor, Tensor),
+        key_padding: Option<&Tensor>,
+        slot: Option<&mut Option<(Tensor, Tensor)>>,
+        train: Option<&TrainCtx>,
+    ) -> Result<Tensor> {
+        let layer = &self.layers[i];
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim());
         let rot = |x: &Tensor| match train {
-            None => rope_reference(x, &cos, &sin),
-            Some(_) => ops::rope(x, &cos, &sin),
+            None => rope_reference(x, cos, sin),
+            Some(_) => ops::rope(x, cos, sin),
         };
-        let mut x = embeds.clone();
-        for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let a = rms(&x, &layer.input_norm)?;
-            // (B, T, n * hd) -> (B, n, T, hd)
-            let heads = |lin: &Linear, n: usize| -> candle_core::Result<Tensor> {
-                lin.forward_with(&a, train)?.reshape((b, t, n, hd))?.transpose(1, 2)
-            };
-            let q = rot(&heads(&layer.q, nh)?)?;
-            let mut k = rot(&heads(&layer.k, nkv)?)?;
-            let mut v = heads(&layer.v, nkv)?;
+        let a = self.rms(x, &layer.input_norm, train)?;
+        // (B, T, n * hd) -> (B, n, T, hd)
+        let heads = |lin: &Linear, n: usize| -> candle_core::Result<Tensor> {
+            lin.forward_with(&a, train)?.reshape((b, t, n, hd))?.transpose(1, 2)
+        };
+        let q = rot(&heads(&layer.q, nh)?)?;
+        let mut k = rot(&heads(&layer.k, nkv)?)?;
+        let mut v = heads(&layer.v, nkv)?;
+        if let Some(slot) = slot {
             if let Some((pk, pv)) = slot.as_ref() {
                 k = Tensor::cat(&[pk, &k], 2)?;
                 v = Tensor::cat(&[pv, &v], 2)?;
             }
             *slot = Some((k.clone(), v.clone()));
-            let o = match train {
-                None => attention_reference(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
-                Some(_) => ops::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
-            };
-            // (B, nh, T, hd) -> (B, T, nh * hd)
-            let o = o.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-            x = (x + layer.o.forward_with(&o, train)?)?;
-            let m = rms(&x, &layer.post_norm)?;
-            let mlp = layer.down.forward_with(
-                &(layer.gate.forward_with(&m, train)?.silu()? * layer.up.forward_with(&m, train)?)?,
-                train,
-            )?;
-            x = (x + mlp)?;
         }
-        debug_assert_eq!(x.dims3()?, (b, t, h));
-        Ok(rms(&x, &self.norm)?.to_dtype(dtype)?)
+        let scale = (hd as f64).powf(-0.5);
+        let o = match train {
+            None => attention_reference(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
+            Some(_) => ops::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
+        };
+        // (B, nh, T, hd) -> (B, T, nh * hd)
+        let o = o.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        let x = (x + layer.o.forward_with(&o, train)?)?;
+        let m = self.rms(&x, &layer.post_norm, train)?;
+        let mlp = layer
+            .down
+            .forward_with(&(layer.gate.forward_with(&m, train)?.silu()? * layer.up.forward_with(&m, train)?)?, train)?;
+        Ok((x + mlp)?)
+    }
+
+    /// The final RMSNorm.
+    pub(crate) fn final_norm(&self, x: &Tensor, train: Option<&TrainCtx>) -> Result<Tensor> {
+        Ok(self.rms(x, &self.norm, train)?.to_dtype(x.dtype())?)
+    }
+
+    fn rms(&self, x: &Tensor, w: &Tensor, train: Option<&TrainCtx>) -> candle_core::Result<Tensor> {
+        match train {
+            None => rms_norm_reference(x, w, self.cfg.rms_norm_eps),
+            Some(_) => ops::rms_norm_frozen(x, w, self.cfg.rms_norm_eps),
+        }
     }
 
     pub fn dtype(&self) -> DType {

@@ -15,24 +15,25 @@
 //! parity tests check, unchanged. Dropout (PEFT's `lora_dropout`) is inverted dropout on the LoRA input
 //! only, drawn from a seeded RNG, in the training path only.
 
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use askgui_kernels::ops;
+use candle_core::backprop::GradStore;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::{ModelError, Result};
+use crate::grad_checkpoint::{self, Stage};
 use crate::layers::Linear;
 use crate::lora::{matches_target, Adapter, LoraConfig, LoraDelta};
-use crate::model::{mrope_positions, positions_tensor, Qwen2Vl};
+use crate::model::{mrope_positions, Qwen2Vl};
 
-/// State of one training forward: LoRA dropout probability and its RNG.
+/// State of one training forward: the LoRA dropout probability and its seed.
 pub struct TrainCtx {
     dropout: f64,
-    rng: RefCell<StdRng>,
+    seed: u64,
 }
 
 impl TrainCtx {
@@ -40,20 +41,68 @@ impl TrainCtx {
         if !(0.0..1.0).contains(&dropout) {
             return Err(ModelError::Train(format!("lora_dropout is {dropout}; it must be in [0, 1)")));
         }
-        Ok(Self { dropout, rng: RefCell::new(StdRng::seed_from_u64(seed)) })
+        Ok(Self { dropout, seed })
     }
 
-    /// Inverted dropout: each element kept with probability `1 - p` and scaled by `1 / (1 - p)`.
-    fn dropout(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// Inverted dropout on the input of linear `name`: each element kept with probability `1 - p` and
+    /// scaled by `1 / (1 - p)`. The mask depends only on the seed and the layer's name (each linear runs
+    /// once per forward), so gradient checkpointing's recomputation draws the same mask.
+    fn dropout(&self, name: &str, x: &Tensor) -> candle_core::Result<Tensor> {
         if self.dropout == 0.0 {
             return Ok(x.clone());
         }
         let keep = 1.0 - self.dropout;
-        let mut rng = self.rng.borrow_mut();
+        // FNV-1a of the name, mixed with the seed.
+        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        let mut rng = StdRng::seed_from_u64(h ^ self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let mask: Vec<f32> =
             (0..x.elem_count()).map(|_| if rng.random::<f64>() < keep { (1.0 / keep) as f32 } else { 0.0 }).collect();
         x * Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?
     }
+}
+
+/// One training sequence: token ids, which of them are supervised, and its images.
+#[derive(Debug, Clone)]
+pub struct TrainExample {
+    pub ids: Vec<u32>,
+    /// `labels_mask[t]` marks token `t` as supervised: the logits at `t - 1` predict it (so
+    /// `labels_mask[0]` is ignored).
+    pub labels_mask: Vec<bool>,
+    /// `(P, patch_dim)` rows of this sequence's images, in order; `None` for a text-only sequence.
+    pub pixel_values: Option<Tensor>,
+    pub grid_thw: Vec<[usize; 3]>,
+}
+
+/// How [`Qwen2Vl::loss_and_grads`] runs.
+#[derive(Debug, Clone, Copy)]
+pub struct StepOptions {
+    /// Recompute every block in the backward instead of keeping its activations (on by default).
+    pub checkpointing: bool,
+    /// Seeds the LoRA dropout masks (pass e.g. the step number).
+    pub dropout_seed: u64,
+}
+
+impl Default for StepOptions {
+    fn default() -> Self {
+        Self { checkpointing: true, dropout_seed: 0 }
+    }
+}
+
+/// What one training forward and backward gives.
+pub struct StepOutput {
+    /// The mean loss over the supervised tokens.
+    pub loss: f64,
+    pub supervised_tokens: usize,
+    /// The gradient of every trainable `Var` of the active adapter that the loss depends on, and of
+    /// nothing else.
+    pub grads: GradStore,
+}
+
+/// The training forward as a chain ([`crate::grad_checkpoint`]).
+struct Chain<'a> {
+    x0: Tensor,
+    stages: Vec<Stage<'a>>,
+    supervised: usize,
 }
 
 /// `y (.., out) + bias (out)` with the bias frozen: the gradient passes to `y` only.
@@ -100,7 +149,7 @@ impl Linear {
             None => y,
         };
         match self.lora.active_delta() {
-            Some(d) => y + d.forward(&ctx.dropout(x)?)?,
+            Some(d) => y + d.forward(&ctx.dropout(&self.name, x)?)?,
             None => Ok(y),
         }
     }
@@ -154,6 +203,18 @@ impl Qwen2Vl {
         Ok(())
     }
 
+    /// Sets the LoRA dropout probability of adapter `name` (in `[0, 1)`; used by the training path only).
+    pub fn set_adapter_dropout(&mut self, name: &str, p: f64) -> Result<()> {
+        TrainCtx::new(p, 0)?;
+        let adapter = self
+            .lora
+            .adapters
+            .get_mut(name)
+            .ok_or_else(|| ModelError::Train(format!("no adapter named `{name}` is loaded")))?;
+        adapter.config.lora_dropout = p;
+        Ok(())
+    }
+
     /// The `Var`s of trainable adapter `name`, named `<module>.lora_A` / `<module>.lora_B`
     /// (hub-layout module names), sorted by name.
     pub fn trainable_vars(&self, name: &str) -> Result<Vec<(String, Var)>> {
@@ -192,47 +253,143 @@ impl Qwen2Vl {
         out
     }
 
-    /// Masked next-token cross-entropy of one sequence (batch 1) with the active adapter, differentiable
-    /// through its `Var`s. `labels_mask[t]` marks token `t` as supervised (the logits at `t - 1` predict
-    /// it; `labels_mask[0]` is ignored); the loss is the mean over supervised tokens (transformers'
-    /// `labels` with -100 elsewhere). `dropout_seed` seeds the LoRA dropout (pass e.g. the step number).
-    pub fn loss(
-        &self,
-        ids: &[u32],
-        pixel_values: Option<&Tensor>,
-        grid_thw: &[[usize; 3]],
-        labels_mask: &[bool],
-        dropout_seed: u64,
-    ) -> Result<Tensor> {
-        let t = ids.len();
-        if labels_mask.len() != t || t < 2 {
-            return Err(ModelError::Train(format!(
-                "{t} tokens and {} mask entries; they must be equal and at least 2",
-                labels_mask.len()
-            )));
-        }
+    /// One training step's forward and backward over `batch` with the active adapter: the masked
+    /// next-token cross-entropy (the mean over every supervised token of the batch, as transformers'
+    /// `labels` with -100 elsewhere) and the gradients of the adapter's `Var`s, and of nothing else.
+    /// With `opts.checkpointing` every vision block and decoder layer is recomputed in the backward
+    /// ([`crate::grad_checkpoint`]); the result is the same.
+    pub fn loss_and_grads(&self, batch: &[TrainExample], opts: &StepOptions) -> Result<StepOutput> {
+        let params = match self.active_adapter() {
+            Some(name) => self.trainable_vars(name)?.into_iter().map(|(_, v)| v).collect(),
+            None => vec![],
+        };
+        let ctx = self.train_ctx(opts.dropout_seed)?;
+        let chain = self.train_chain(batch, &ctx)?;
+        let (loss, grads) = grad_checkpoint::forward_backward(&chain.x0, &chain.stages, &params, opts.checkpointing)?;
+        Ok(StepOutput { loss: loss.to_scalar::<f32>()? as f64, supervised_tokens: chain.supervised, grads })
+    }
+
+    /// The loss of [`Self::loss_and_grads`] as one candle graph (no checkpointing), for a caller that
+    /// runs `backward` itself and wants candle's whole `GradStore` (tests and the memory benchmark look
+    /// in it for gradients of base weights).
+    pub fn loss(&self, batch: &[TrainExample], dropout_seed: u64) -> Result<Tensor> {
+        let ctx = self.train_ctx(dropout_seed)?;
+        let chain = self.train_chain(batch, &ctx)?;
+        grad_checkpoint::graph(&chain.x0, &chain.stages)
+    }
+
+    /// The loss of [`Self::loss_and_grads`] without any gradient (e.g. a validation loss): no graph
+    /// outlives a stage. Dropout is off. Returns the mean loss and the number of supervised tokens.
+    pub fn eval_loss(&self, batch: &[TrainExample]) -> Result<(f64, usize)> {
+        let ctx = TrainCtx::new(0.0, 0)?;
+        let chain = self.train_chain(batch, &ctx)?;
+        let loss = grad_checkpoint::forward(&chain.x0, &chain.stages)?;
+        Ok((loss.to_scalar::<f32>()? as f64, chain.supervised))
+    }
+
+    fn train_ctx(&self, seed: u64) -> Result<TrainCtx> {
         if let Some(m) = self.merged_adapter() {
             return Err(ModelError::Train(format!("adapter `{m}` is merged; unmerge it before training")));
         }
         let p = self.active_adapter().and_then(|a| self.adapter(a)).map(|a| a.config.lora_dropout).unwrap_or(0.0);
-        let ctx = TrainCtx::new(p, dropout_seed)?;
-        let feats = match pixel_values {
-            Some(pv) if !grid_thw.is_empty() => Some(self.vision.forward_with(pv, grid_thw, Some(&ctx))?),
-            _ => None,
+        TrainCtx::new(p, seed)
+    }
+
+    /// The training forward of `batch` as a chain of stages: the vision blocks, the merger with the
+    /// embedding, the decoder layers, and the head with the loss. Sequences are right-padded to the
+    /// longest: with causal attention a real token never sees a pad, so no padding mask is needed, and the
+    /// pads are not supervised.
+    fn train_chain<'a>(&'a self, batch: &[TrainExample], ctx: &'a TrainCtx) -> Result<Chain<'a>> {
+        let (b, t) = (batch.len(), batch.iter().map(|e| e.ids.len()).max().unwrap_or(0));
+        if b == 0 {
+            return Err(ModelError::Train("the batch is empty".into()));
+        }
+        let mut ids = vec![0u32; b * t];
+        let mut labels = vec![0u32; b * (t - 1)];
+        let mut mask = vec![0f32; b * (t - 1)];
+        let mut positions = Vec::with_capacity(b);
+        let (mut pixels, mut grids) = (vec![], vec![]);
+        for (i, e) in batch.iter().enumerate() {
+            let n = e.ids.len();
+            if e.labels_mask.len() != n || n < 2 {
+                return Err(ModelError::Train(format!(
+                    "sequence {i}: {n} tokens and {} mask entries; they must be equal and at least 2",
+                    e.labels_mask.len()
+                )));
+            }
+            ids[i * t..i * t + n].copy_from_slice(&e.ids);
+            for j in 1..n {
+                labels[i * (t - 1) + j - 1] = e.ids[j];
+                mask[i * (t - 1) + j - 1] = e.labels_mask[j] as u8 as f32;
+            }
+            let (mut pos, _) = mrope_positions(&e.ids, &e.grid_thw, &self.cfg)?;
+            pos.resize(t, [0; 3]);
+            positions.push(pos);
+            match (&e.pixel_values, e.grid_thw.is_empty()) {
+                (Some(pv), false) => pixels.push(pv.clone()),
+                (None, true) => {}
+                _ => {
+                    return Err(ModelError::Train(format!(
+                        "sequence {i}: pixel_values and grid_thw must be given together"
+                    )))
+                }
+            }
+            grids.extend_from_slice(&e.grid_thw);
+        }
+        let supervised = mask.iter().filter(|&&m| m > 0.0).count();
+        if supervised == 0 {
+            return Err(ModelError::Train("no token of the batch is supervised (labels_mask is all false)".into()));
+        }
+        let dev = &self.device;
+        // Positions were padded at the right: (3, B, T) from [B][T][3].
+        let mut pos = vec![0f32; 3 * b * t];
+        for (i, p) in positions.iter().enumerate() {
+            for (j, xyz) in p.iter().enumerate() {
+                for (a, &v) in xyz.iter().enumerate() {
+                    pos[(a * b + i) * t + j] = v as f32;
+                }
+            }
+        }
+        let rope = self.text.rope(&Tensor::from_vec(pos, (3, b, t), &candle_core::Device::Cpu)?, self.dtype(), dev)?;
+        let ids = Tensor::from_vec(ids, (b, t), dev)?;
+        let labels = Tensor::from_vec(labels, b * (t - 1), dev)?;
+        let mask = Tensor::from_vec(mask, b * (t - 1), dev)?;
+        let trainable = |ls: Vec<&Linear>| ls.iter().any(|l| l.lora.active_delta().is_some_and(|d| d.a.is_variable()));
+
+        let mut stages = Vec::new();
+        let x0 = if pixels.is_empty() {
+            self.embed(&ids, None)?
+        } else {
+            let pv = Tensor::cat(&pixels, 0)?;
+            let prep = std::rc::Rc::new(self.vision.prepare(&pv, &grids)?);
+            let x0 = prep.x.clone();
+            for i in 0..self.vision.depth() {
+                let prep = prep.clone();
+                stages.push(Stage::new(trainable(self.vision.stage_linears(i)), move |x: &Tensor| {
+                    self.vision.block(i, x, &prep, Some(ctx))
+                }));
+            }
+            let ids = ids.clone();
+            stages.push(Stage::new(trainable(self.vision.stage_linears(self.vision.depth())), move |x: &Tensor| {
+                let feats = self.vision.merge(x, &prep, Some(ctx))?;
+                self.embed(&ids, Some(&feats))
+            }));
+            x0
         };
-        let ids_t = Tensor::from_slice(ids, (1, t), &self.device)?;
-        let embeds = self.embed(&ids_t, feats.as_ref())?;
-        let (pos, _) = mrope_positions(ids, grid_thw, &self.cfg)?;
-        let positions = positions_tensor(&[pos], t)?;
-        let mut cache = self.new_cache();
-        // (1, T, H) -> (T - 1, H) -> (T - 1, V)
-        let hidden = self.text.forward_with(&embeds, &positions, None, &mut cache, Some(&ctx))?;
-        let hidden = hidden.squeeze(0)?.narrow(0, 0, t - 1)?;
-        let logits = ops::frozen_linear(&hidden, &self.lm_head)?;
-        let labels = Tensor::from_slice(&ids[1..], t - 1, &self.device)?;
-        let mask: Vec<f32> = labels_mask[1..].iter().map(|&m| m as u8 as f32).collect();
-        let mask = Tensor::from_vec(mask, t - 1, &self.device)?;
-        Ok(ops::cross_entropy_masked(&logits, &labels, &mask)?)
+        let rope = std::rc::Rc::new(rope);
+        for i in 0..self.text.depth() {
+            let rope = rope.clone();
+            stages.push(Stage::new(trainable(self.text.layer_linears(i)), move |x: &Tensor| {
+                self.text.layer(i, x, &rope, None, None, Some(ctx))
+            }));
+        }
+        stages.push(Stage::new(false, move |x: &Tensor| {
+            // (B, T, H) -> (B, T - 1, H) -> (B (T - 1), V): the logits at t - 1 predict token t.
+            let h = self.text.final_norm(x, Some(ctx))?.narrow(1, 0, t - 1)?;
+            let logits = ops::frozen_linear(&h.reshape((b * (t - 1), ()))?, &self.lm_head)?;
+            Ok(ops::cross_entropy_masked(&logits, &labels, &mask)?)
+        }));
+        Ok(Chain { x0, stages, supervised })
     }
 
     /// Puts `adapter` under `name` into the model state and every targeted linear's slot.

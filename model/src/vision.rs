@@ -80,6 +80,17 @@ pub struct VisionTower {
     inv_freq: Tensor,
 }
 
+/// What every block of one forward shares: the embedded patches and rotary tables, window-permuted
+/// for Qwen2.5-VL, and the attention segments.
+pub(crate) struct VisionPrep {
+    /// `(P, hidden)` patch embeddings, the first block's input.
+    pub x: Tensor,
+    /// `(P, 1, head_dim)` rotary tables.
+    cos: Tensor,
+    sin: Tensor,
+    layout: Layout,
+}
+
 /// Patch coordinates and attention segments of a batch of images.
 struct Layout {
     /// `(P, 2)` (row, column) of each patch, in pixel_values order.
@@ -216,6 +227,37 @@ impl VisionTower {
         grid_thw: &[[usize; 3]],
         train: Option<&TrainCtx>,
     ) -> Result<Tensor> {
+        let prep = self.prepare(pixel_values, grid_thw)?;
+        let mut x = prep.x.clone();
+        for i in 0..self.blocks.len() {
+            x = self.block(i, &x, &prep, train)?;
+        }
+        self.merge(&x, &prep, train)
+    }
+
+    /// Number of transformer blocks.
+    pub(crate) fn depth(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The linears of block `i` (`i == depth()`: the merger's), for [`crate::train`].
+    pub(crate) fn stage_linears(&self, i: usize) -> Vec<&Linear> {
+        match self.blocks.get(i) {
+            Some(b) => {
+                let mut out = vec![&b.qkv, &b.proj];
+                match &b.mlp {
+                    Mlp::Glu { gate, up, down } => out.extend([gate, up, down]),
+                    Mlp::Plain { fc1, fc2 } => out.extend([fc1, fc2]),
+                }
+                out
+            }
+            None => vec![&self.merger_fc1, &self.merger_fc2],
+        }
+    }
+
+    /// Checks the inputs, embeds the patches (window-permuted for Qwen2.5-VL) and builds the rotary
+    /// tables: everything before the first block. Holds no trainable parameter.
+    pub(crate) fn prepare(&self, pixel_values: &Tensor, grid_thw: &[[usize; 3]]) -> Result<VisionPrep> {
         let m = self.cfg.spatial_merge_size;
         let rows: usize = grid_thw.iter().map(|g| g[0] * g[1] * g[2]).sum();
         let (p, dim) = pixel_values.dims2()?;
@@ -253,34 +295,45 @@ impl VisionTower {
         // (P, 1, head_dim) to broadcast over heads
         let cos = cos.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
         let sin = sin.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
-        for (i, b) in self.blocks.iter().enumerate() {
-            let cu = if windowed && !self.cfg.fullatt_block_indexes.contains(&i) {
-                &layout.cu_window
-            } else {
-                &layout.cu_full
-            };
-            x = (&x + self.attention(b, &b.norm1.forward(&x, train)?, &cos, &sin, cu, train)?)?;
-            let h = b.norm2.forward(&x, train)?;
-            let act = self.cfg.hidden_act;
-            let mlp = match &b.mlp {
-                Mlp::Glu { gate, up, down } => down.forward_with(
-                    &(activation(&gate.forward_with(&h, train)?, act)? * up.forward_with(&h, train)?)?,
-                    train,
-                )?,
-                Mlp::Plain { fc1, fc2 } => fc2.forward_with(&activation(&fc1.forward_with(&h, train)?, act)?, train)?,
-            };
-            x = (x + mlp)?;
-        }
+        Ok(VisionPrep { x, cos, sin, layout })
+    }
+
+    /// Block `i`: `x (P, hidden) -> (P, hidden)`, pre-norm attention then MLP, both residual.
+    pub(crate) fn block(&self, i: usize, x: &Tensor, prep: &VisionPrep, train: Option<&TrainCtx>) -> Result<Tensor> {
+        let b = &self.blocks[i];
+        let cu = if self.cfg.window_size.is_some() && !self.cfg.fullatt_block_indexes.contains(&i) {
+            &prep.layout.cu_window
+        } else {
+            &prep.layout.cu_full
+        };
+        let x = (x + self.attention(b, &b.norm1.forward(x, train)?, &prep.cos, &prep.sin, cu, train)?)?;
+        let h = b.norm2.forward(&x, train)?;
+        let act = self.cfg.hidden_act;
+        let mlp = match &b.mlp {
+            Mlp::Glu { gate, up, down } => down.forward_with(
+                &(activation(&gate.forward_with(&h, train)?, act)? * up.forward_with(&h, train)?)?,
+                train,
+            )?,
+            Mlp::Plain { fc1, fc2 } => fc2.forward_with(&activation(&fc1.forward_with(&h, train)?, act)?, train)?,
+        };
+        Ok((x + mlp)?)
+    }
+
+    /// The patch merger: `x (P, hidden) -> (P / merge^2, out_hidden)`, back in the images' row order.
+    pub(crate) fn merge(&self, x: &Tensor, prep: &VisionPrep, train: Option<&TrainCtx>) -> Result<Tensor> {
+        let unit = self.cfg.spatial_merge_size.pow(2);
+        let p = x.dim(0)?;
         // (P, hidden) -> (P / unit, unit * hidden) -> (P / unit, out)
-        let merged = self.ln_q.forward(&x, train)?.reshape((p / unit, unit * self.cfg.hidden_size))?;
+        let merged = self.ln_q.forward(x, train)?.reshape((p / unit, unit * self.cfg.hidden_size))?;
         let mut out =
             self.merger_fc2.forward_with(&self.merger_fc1.forward_with(&merged, train)?.gelu_erf()?, train)?;
-        if windowed {
-            let mut inverse = vec![0u32; layout.window_index.len()];
-            for (pos, &g) in layout.window_index.iter().enumerate() {
+        if self.cfg.window_size.is_some() {
+            let window_index = &prep.layout.window_index;
+            let mut inverse = vec![0u32; window_index.len()];
+            for (pos, &g) in window_index.iter().enumerate() {
                 inverse[g as usize] = pos as u32;
             }
-            out = out.index_select(&Tensor::from_vec(inverse, p / unit, dev)?, 0)?;
+            out = out.index_select(&Tensor::from_vec(inverse, p / unit, x.device())?, 0)?;
         }
         Ok(out)
     }

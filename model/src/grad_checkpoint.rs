@@ -1,0 +1,202 @@
+//! Gradient checkpointing: the training forward as a chain of stages, each recomputed in the backward.
+//!
+//! candle has no checkpointing (ARCHITECTURE.md, "Training-grade ops"): its backward needs every
+//! intermediate of the graph alive at once, which for a VLM on a screenshot is gigabytes. Here the forward
+//! is a chain `x_0 -> stage_0 -> x_1 -> ... -> stage_{n-1} -> loss` (one stage per transformer block).
+//!
+//! With checkpointing, the forward runs every stage but the last on a detached input and keeps only the
+//! stage inputs `x_i`. The backward walks the stages in reverse: it recomputes stage `i` with `x_i` as a
+//! fresh leaf and backpropagates `sum(stage_i(x_i) * g_{i+1})`, whose gradients are `g_i` (for `x_i`) and
+//! the stage's own parameter gradients. Peak memory is the stage inputs plus one stage's graph instead of
+//! every stage's graph; the cost is one more forward of every stage but the last. Without checkpointing
+//! the same chain runs as one graph and one `backward`, so the two modes can be tested against each other.
+//!
+//! Stages before the first one with parameters need no gradient: they run once, without a graph. Either
+//! way the returned [`GradStore`] holds the parameters' gradients and nothing else (candle's own store
+//! also keeps gradients of constants such as rotary tables and dropout masks).
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+
+use crate::error::{ModelError, Result};
+
+/// A stage's function: the previous stage's output to this stage's.
+type StageFn<'a> = Box<dyn Fn(&Tensor) -> Result<Tensor> + 'a>;
+
+/// One link of the chain.
+pub(crate) struct Stage<'a> {
+    /// Whether the function reads any trainable parameter.
+    pub has_params: bool,
+    pub f: StageFn<'a>,
+}
+
+impl<'a> Stage<'a> {
+    pub fn new(has_params: bool, f: impl Fn(&Tensor) -> Result<Tensor> + 'a) -> Self {
+        Self { has_params, f: Box::new(f) }
+    }
+}
+
+/// Runs the chain without any gradient: each stage's output is detached, so its graph (built when
+/// parameters are `Var`s) is dropped as soon as the next stage has run. Returns the last stage's output.
+pub(crate) fn forward(x0: &Tensor, stages: &[Stage]) -> Result<Tensor> {
+    let mut x = x0.detach();
+    for s in stages {
+        x = (s.f)(&x)?.detach();
+    }
+    Ok(x)
+}
+
+/// Runs the chain as one graph (no checkpointing) and returns its output, for a caller that runs
+/// candle's `backward` itself.
+pub(crate) fn graph(x0: &Tensor, stages: &[Stage]) -> Result<Tensor> {
+    let mut x = x0.detach();
+    for s in stages {
+        x = (s.f)(&x)?;
+    }
+    Ok(x)
+}
+
+/// Runs the chain and its backward. The last stage must return a scalar (the loss); `params` are the
+/// `Var`s to return gradients for. Returns the (detached) loss and the parameters' gradients.
+pub(crate) fn forward_backward(
+    x0: &Tensor,
+    stages: &[Stage],
+    params: &[Var],
+    checkpointing: bool,
+) -> Result<(Tensor, GradStore)> {
+    let Some(last) = stages.len().checked_sub(1) else {
+        return Err(ModelError::Train("an empty chain has no loss".into()));
+    };
+    // Stages before the first with parameters: no graph, no recompute.
+    let first = stages.iter().position(|s| s.has_params).unwrap_or(last);
+    let mut x = forward(x0, &stages[..first])?;
+    let mut out = GradStore::default();
+    if !checkpointing {
+        let x = graph(&x, &stages[first..])?;
+        let grads = x.backward()?;
+        collect(&grads, params, &mut out)?;
+        return Ok((x.detach(), out));
+    }
+    let mut inputs = Vec::with_capacity(last - first + 1);
+    for s in &stages[first..last] {
+        inputs.push(x.clone());
+        x = (s.f)(&x)?.detach();
+    }
+    inputs.push(x);
+    let mut loss = None;
+    let mut g: Option<Tensor> = None;
+    for (i, input) in (first..last + 1).zip(inputs).rev() {
+        // The first differentiable stage's input needs no gradient: it stays a constant.
+        let leaf = if i > first { Some(Var::from_tensor(&input)?) } else { None };
+        let y = (stages[i].f)(leaf.as_ref().map(|v| v.as_tensor()).unwrap_or(&input))?;
+        let grads = match &g {
+            None => {
+                loss = Some(y.detach());
+                y.backward()?
+            }
+            Some(g) => (y * g)?.sum_all()?.backward()?,
+        };
+        collect(&grads, params, &mut out)?;
+        if let Some(leaf) = leaf {
+            g = Some(match grads.get(leaf.as_tensor()) {
+                // Detached: candle leaves a leaf's gradient attached to the graph that made it (e.g.
+                // `grad * w` for `x * w`), and the next backward must not run through it.
+                Some(gi) => gi.detach(),
+                None => leaf.zeros_like()?,
+            });
+        }
+    }
+    Ok((loss.expect("the last stage always runs"), out))
+}
+
+/// Adds the gradients of `params` found in `grads` to `out`, detached: candle does not detach the
+/// gradients of leaves, and an attached one would keep the step's activations alive through its graph.
+fn collect(grads: &GradStore, params: &[Var], out: &mut GradStore) -> Result<()> {
+    for p in params {
+        if let Some(g) = grads.get(p.as_tensor()) {
+            let g = g.detach();
+            let sum = match out.get(p.as_tensor()) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            out.insert(p.as_tensor(), sum);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use std::cell::Cell;
+
+    /// A toy chain `x -> tanh(x * w0) -> (x * w1).exp() -> sum(x * w2)` with `x` constant and one
+    /// parameter per stage: both modes give the same loss and gradients, and checkpointing runs every
+    /// stage but the last twice.
+    #[test]
+    fn both_modes_agree_and_checkpointing_recomputes() -> Result<()> {
+        let dev = Device::Cpu;
+        let x0 = Tensor::new(&[0.3f64, -1.2, 0.7], &dev)?;
+        let w: Vec<Var> =
+            [[0.5, 1.5, -0.5], [0.2, -0.1, 0.3], [1.0, 2.0, 3.0]].iter().map(|v| Var::new(v, &dev).unwrap()).collect();
+        let calls: Vec<Cell<usize>> = (0..3).map(|_| Cell::new(0)).collect();
+        let stages = vec![
+            Stage::new(true, |x: &Tensor| {
+                calls[0].set(calls[0].get() + 1);
+                Ok((x * w[0].as_tensor())?.tanh()?)
+            }),
+            Stage::new(true, |x: &Tensor| {
+                calls[1].set(calls[1].get() + 1);
+                Ok((x * w[1].as_tensor())?.exp()?)
+            }),
+            Stage::new(true, |x: &Tensor| {
+                calls[2].set(calls[2].get() + 1);
+                Ok((x * w[2].as_tensor())?.sum_all()?)
+            }),
+        ];
+        let (l1, g1) = forward_backward(&x0, &stages, &w, false)?;
+        assert_eq!(calls.iter().map(Cell::get).collect::<Vec<_>>(), [1, 1, 1]);
+        let (l2, g2) = forward_backward(&x0, &stages, &w, true)?;
+        assert_eq!(calls.iter().map(Cell::get).collect::<Vec<_>>(), [3, 3, 2]);
+        assert_eq!(l1.to_scalar::<f64>()?, l2.to_scalar::<f64>()?);
+        for v in &w {
+            let (a, b) = (g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap());
+            let d = (a - b)?.abs()?.max_all()?.to_scalar::<f64>()?;
+            assert!(d < 1e-14, "gradients differ by {d}");
+        }
+        // The analytic gradient of the first parameter: dL/dw0 = w2 * w1 * e1 * (1 - t^2) * x0.
+        let t = (&x0 * w[0].as_tensor())?.tanh()?;
+        let e1 = (&t * w[1].as_tensor())?.exp()?;
+        let one_minus = (1.0 - t.sqr()?)?;
+        let want = (((w[2].as_tensor() * w[1].as_tensor())? * e1)? * one_minus)?.mul(&x0)?;
+        let d = (g2.get(w[0].as_tensor()).unwrap() - want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert!(d < 1e-12, "dL/dw0 differs from the analytic value by {d}");
+        assert_eq!(g2.get_ids().count(), 3, "only the parameters' gradients are kept");
+        Ok(())
+    }
+
+    /// Stages before the first with parameters run once, without a graph, in both modes.
+    #[test]
+    fn leading_stages_without_parameters_run_once() -> Result<()> {
+        let dev = Device::Cpu;
+        let x0 = Tensor::new(&[1.0f64, 2.0], &dev)?;
+        let w = Var::new(&[3.0f64, 4.0], &dev)?;
+        let calls = Cell::new(0);
+        let stages = vec![
+            Stage::new(false, |x: &Tensor| {
+                calls.set(calls.get() + 1);
+                Ok((x * 2.0)?)
+            }),
+            Stage::new(true, |x: &Tensor| Ok((x * w.as_tensor())?.sum_all()?)),
+        ];
+        for checkpointing in [false, true] {
+            calls.set(0);
+            let (loss, g) = forward_backward(&x0, &stages, std::slice::from_ref(&w), checkpointing)?;
+            assert_eq!(calls.get(), 1);
+            assert_eq!(loss.to_scalar::<f64>()?, 22.0);
+            assert_eq!(g.get(w.as_tensor()).unwrap().to_vec1::<f64>()?, [2.0, 4.0]);
+        }
+        Ok(())
+    }
+}
