@@ -1,22 +1,33 @@
-//! One LoRA forward + backward on a Qwen2.5-VL checkpoint, on the training path (`ops`: [`Qwen2Vl::loss`],
-//! the kernels' CustomOps with explicit backward) or the composed path (`composed`: the inference forward
-//! built from plain candle ops, with a reference masked cross-entropy on its logits), and one JSON line with
-//! the time, the peak RSS and the bytes held in the `GradStore`.
+//! LoRA training steps on a Qwen2.5-VL checkpoint, timed, with peak memory and the gradients kept: the
+//! measurement behind the README's memory table and the side-by-side with `scripts/bench_train_peft.py`.
 //!
 //! cargo run --release -p askgui-model --example lora_step -- --model DIR --path ops|composed
+//!     [--checkpointing] [--batch N] [--steps N] [--save-adapter DIR] [--inspect-gradstore]
 //!
-//! The prompt is `text/2` random text ids, `<|vision_start|>`, the image pads of one synthetic
+//! Paths: `ops` is the training path ([`Qwen2Vl::loss_and_grads`]: the kernels' CustomOps with explicit
+//! backward, with or without gradient checkpointing); `composed` is the inference forward built from
+//! plain candle ops with a reference masked cross-entropy on its logits, and candle's own `backward`.
+//! One warm-up step, then `--steps` timed AdamW steps (lr 1e-4); the JSON line has the median step time,
+//! tokens/s, the peak RSS (`VmHWM`, which includes loading the model) and the bytes of gradients kept.
+//! `--inspect-gradstore` also runs the `ops` loss as one graph and sorts everything candle's own
+//! `GradStore` holds into LoRA, base weights and other tensors (with the shapes of the others).
+//! `--save-adapter DIR` saves the trained adapter in PEFT's transformers-5 key layout.
+//!
+//! Each sequence is `text/2` random text ids, `<|vision_start|>`, the image pads of one synthetic
 //! `side x side` image, `<|vision_end|>`, and `text - text/2` random text ids; the trailing text is
 //! supervised. The adapter targets the seven decoder projections (`q_proj` ... `down_proj`); since PEFT
 //! matches by name suffix, `gate_proj` / `up_proj` / `down_proj` also match the vision tower's MLPs.
 
 use std::collections::HashSet;
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use askgui_kernels::ops::cross_entropy_masked_reference;
-use askgui_model::{preprocess, LoraConfig, Qwen2Vl};
+use askgui_model::{preprocess, AdapterLayout, LoraConfig, Qwen2Vl, StepOptions, TrainExample};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use clap::{Parser, ValueEnum};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -28,18 +39,33 @@ enum PathKind {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "One LoRA forward + backward, timed, with peak RSS and GradStore bytes")]
+#[command(about = "LoRA training steps, timed, with peak RSS and the gradients kept")]
 struct Args {
     #[arg(long)]
     model: String,
     #[arg(long, value_enum)]
     path: PathKind,
+    /// Recompute every block in the backward (`ops` path only).
+    #[arg(long)]
+    checkpointing: bool,
     #[arg(long, default_value_t = 448)]
     image_side: u32,
     #[arg(long, default_value_t = 64)]
     text_tokens: usize,
     #[arg(long, default_value_t = 16)]
     rank: usize,
+    /// Sequences per step (`ops` path only for more than 1).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Timed AdamW steps after one warm-up step.
+    #[arg(long, default_value_t = 0)]
+    steps: usize,
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    #[arg(long)]
+    save_adapter: Option<PathBuf>,
+    #[arg(long)]
+    inspect_gradstore: bool,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -62,6 +88,9 @@ fn bytes(t: &Tensor) -> u64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.batch == 0 || (args.batch > 1 && matches!(args.path, PathKind::Composed)) {
+        bail!("--batch must be 1 for the composed path and at least 1 for ops");
+    }
     let device = Device::Cpu;
     let mut model = Qwen2Vl::load(&args.model, &device, DType::F32).context("loading the model")?;
     let cfg = model.cfg.clone();
@@ -76,21 +105,30 @@ fn main() -> Result<()> {
     let processed = preprocess(&img, &model.image_config)?;
     let n_img = processed.num_tokens(model.image_config.geometry.merge_size);
     let pixel_values = processed.pixel_tensor(&device)?;
-    let grid = [processed.grid_thw];
 
     // Random text ids below the special ids (which sit at the top of the vocabulary).
     let specials = [cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id];
     let text_max = *specials.iter().min().unwrap_or(&(cfg.text.vocab_size as u32));
-    let mut text = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..text_max)).collect() };
     let before = args.text_tokens / 2;
     let after = args.text_tokens - before;
-    let mut ids = text(before);
-    ids.push(cfg.vision_start_token_id);
-    ids.extend(std::iter::repeat_n(cfg.image_token_id, n_img));
-    ids.push(cfg.vision_end_token_id);
-    ids.extend(text(after));
-    let t = ids.len();
-    let labels_mask: Vec<bool> = (0..t).map(|i| i >= t - after).collect();
+    let batch: Vec<TrainExample> = (0..args.batch)
+        .map(|_| {
+            let mut text = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..text_max)).collect() };
+            let mut ids = text(before);
+            ids.push(cfg.vision_start_token_id);
+            ids.extend(std::iter::repeat_n(cfg.image_token_id, n_img));
+            ids.push(cfg.vision_end_token_id);
+            ids.extend(text(after));
+            let t = ids.len();
+            TrainExample {
+                labels_mask: (0..t).map(|i| i >= t - after).collect(),
+                ids,
+                pixel_values: Some(pixel_values.clone()),
+                grid_thw: vec![processed.grid_thw],
+            }
+        })
+        .collect();
+    let seq_len = batch[0].ids.len();
 
     let targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
     let lora = LoraConfig::new(args.rank, 2.0 * args.rank as f64, &targets);
@@ -100,73 +138,116 @@ fn main() -> Result<()> {
     let lora_bytes: u64 = vars.iter().map(|(_, v)| bytes(v.as_tensor())).sum();
     let n_modules = vars.len() / 2;
     let n_vision_modules = vars.iter().filter(|(n, _)| n.contains("visual")).count() / 2;
-    let base = model.base_tensors();
-    let base_bytes: u64 = base.iter().map(|(_, t)| bytes(t)).sum();
+    let base_bytes: u64 = model.base_tensors().iter().map(|(_, t)| bytes(t)).sum();
+    let params = ParamsAdamW { lr: args.lr, ..Default::default() };
+    let mut opt = AdamW::new(vars.iter().map(|(_, v)| v.clone()).collect(), params)?;
     let rss_before = proc_status_kb("VmRSS")?;
 
-    let t0 = Instant::now();
-    let loss = match args.path {
-        PathKind::Ops => model.loss(&ids, Some(&pixel_values), &grid, &labels_mask, args.seed)?,
-        PathKind::Composed => {
-            // (T, V) -> (T - 1, V): the logits at t - 1 predict token t.
-            let logits = model.forward_prompt(&ids, Some(&pixel_values), &grid)?.narrow(0, 0, t - 1)?;
-            let labels = Tensor::from_slice(&ids[1..], t - 1, &device)?;
-            let mask: Vec<f32> = labels_mask[1..].iter().map(|&m| m as u8 as f32).collect();
-            let mask = Tensor::from_vec(mask, t - 1, &device)?;
-            cross_entropy_masked_reference(&logits, &labels, &mask)?
-        }
+    // One step: forward, backward, the gradients kept, AdamW.
+    let step = |model: &Qwen2Vl, opt: &mut AdamW, n: u64| -> Result<(f64, f64, u64)> {
+        let t0 = Instant::now();
+        let (loss, grads) = match args.path {
+            PathKind::Ops => {
+                let opts = StepOptions { checkpointing: args.checkpointing, dropout_seed: n };
+                let out = model.loss_and_grads(&batch, &opts)?;
+                (out.loss, out.grads)
+            }
+            PathKind::Composed => {
+                let e = &batch[0];
+                let t = e.ids.len();
+                // (T, V) -> (T - 1, V): the logits at t - 1 predict token t.
+                let logits = model.forward_prompt(&e.ids, Some(&pixel_values), &e.grid_thw)?.narrow(0, 0, t - 1)?;
+                let labels = Tensor::from_slice(&e.ids[1..], t - 1, &device)?;
+                let mask: Vec<f32> = e.labels_mask[1..].iter().map(|&m| m as u8 as f32).collect();
+                let loss = cross_entropy_masked_reference(&logits, &labels, &Tensor::from_vec(mask, t - 1, &device)?)?;
+                (loss.to_scalar::<f32>()? as f64, loss.backward()?)
+            }
+        };
+        let kept: u64 = grads.get_ids().filter_map(|id| grads.get_id(*id)).map(bytes).sum();
+        opt.step(&grads)?;
+        Ok((loss, t0.elapsed().as_secs_f64(), kept))
     };
-    let loss_value = loss.to_scalar::<f32>()?;
-    let forward_s = t0.elapsed().as_secs_f64();
-    let grads = loss.backward()?;
-    let total_s = t0.elapsed().as_secs_f64();
-
-    // Every GradStore entry, split into LoRA vars, base weights and other (leaves such as `lm_head.t()`).
-    let var_ids: HashSet<_> = vars.iter().map(|(_, v)| v.as_tensor().id()).collect();
-    let base_ids: HashSet<_> = base.iter().map(|(_, t)| t.id()).collect();
-    let (mut total, mut lora_g, mut base_g, mut other_g) = (0u64, 0u64, 0u64, 0u64);
-    let (mut n_entries, mut n_base, mut n_other) = (0usize, 0usize, 0usize);
-    for id in grads.get_ids() {
-        let Some(g) = grads.get_id(*id) else { continue };
-        let b = bytes(g);
-        n_entries += 1;
-        total += b;
-        if var_ids.contains(id) {
-            lora_g += b;
-        } else if base_ids.contains(id) {
-            base_g += b;
-            n_base += 1;
-        } else {
-            other_g += b;
-            n_other += 1;
-        }
+    let (loss_first, warmup_s, grads_kept) = step(&model, &mut opt, 0)?;
+    let mut times = vec![];
+    let mut loss_last = loss_first;
+    for n in 1..=args.steps {
+        let (l, s, _) = step(&model, &mut opt, n as u64)?;
+        times.push(s);
+        loss_last = l;
     }
-    let missing = vars.iter().filter(|(_, v)| grads.get(v.as_tensor()).is_none()).count();
+    let median = if times.is_empty() {
+        warmup_s
+    } else {
+        let mut t = times.clone();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let peak = proc_status_kb("VmHWM")?;
 
-    let out = serde_json::json!({
+    let mut out = serde_json::json!({
+        "stack": "askgui (candle)",
         "path": format!("{:?}", args.path).to_lowercase(),
-        "seq_len": t,
+        "checkpointing": args.checkpointing,
+        "threads": candle_core::utils::get_num_threads(),
+        "batch": args.batch,
+        "seq_len": seq_len,
         "image_tokens": n_img,
         "grid_thw": processed.grid_thw,
         "rank": args.rank,
         "lora_modules": n_modules,
         "lora_modules_vision": n_vision_modules,
-        "loss": loss_value,
-        "forward_s": forward_s,
-        "forward_backward_s": total_s,
-        "peak_rss_bytes": proc_status_kb("VmHWM")?,
-        "rss_before_forward_bytes": rss_before,
-        "base_weight_bytes": base_bytes,
         "lora_param_bytes": lora_bytes,
-        "gradstore_entries": n_entries,
-        "gradstore_bytes": total,
-        "gradstore_lora_bytes": lora_g,
-        "gradstore_base_entries": n_base,
-        "gradstore_base_bytes": base_g,
-        "gradstore_other_entries": n_other,
-        "gradstore_other_bytes": other_g,
-        "lora_vars_without_grad": missing,
+        "base_weight_bytes": base_bytes,
+        "loss_first": loss_first,
+        "loss_last": loss_last,
+        "warmup_step_s": warmup_s,
+        "step_s_all": times,
+        "step_s_median": median,
+        "tokens_per_s": (args.batch * seq_len) as f64 / median,
+        "peak_rss_bytes": peak,
+        "rss_before_first_step_bytes": rss_before,
+        "grads_kept_bytes": grads_kept,
     });
+    if args.inspect_gradstore {
+        out["candle_gradstore"] = inspect(&model, &batch, &vars.iter().map(|(_, v)| v.as_tensor().id()).collect())?;
+    }
+    if let Some(dir) = &args.save_adapter {
+        model.save_adapter_as("train", dir, AdapterLayout::Transformers5)?;
+        out["saved_adapter"] = dir.display().to_string().into();
+    }
     println!("{out}");
     Ok(())
+}
+
+/// Runs the `ops` loss as one graph and sorts candle's whole `GradStore` into LoRA, base weights and
+/// other tensors (constants such as rotary tables and the padding of the loss).
+fn inspect(
+    model: &Qwen2Vl,
+    batch: &[TrainExample],
+    var_ids: &HashSet<candle_core::TensorId>,
+) -> Result<serde_json::Value> {
+    let grads: GradStore = model.loss(batch, 0)?.backward()?;
+    let base_ids: HashSet<_> = model.base_tensors().iter().map(|(_, t)| t.id()).collect();
+    let (mut lora, mut base, mut other) = (0u64, 0u64, 0u64);
+    let mut other_shapes = std::collections::BTreeMap::<String, usize>::new();
+    for id in grads.get_ids() {
+        let Some(g) = grads.get_id(*id) else { continue };
+        if var_ids.contains(id) {
+            lora += bytes(g);
+        } else if base_ids.contains(id) {
+            base += bytes(g);
+        } else {
+            other += bytes(g);
+            *other_shapes.entry(format!("{:?}", g.dims())).or_default() += 1;
+        }
+    }
+    let missing = var_ids.iter().filter(|id| grads.get_id(**id).is_none()).count();
+    Ok(serde_json::json!({
+        "entries": grads.get_ids().count(),
+        "lora_bytes": lora,
+        "base_bytes": base,
+        "other_bytes": other,
+        "other_shapes": other_shapes,
+        "lora_vars_without_grad": missing,
+    }))
 }

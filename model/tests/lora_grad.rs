@@ -8,9 +8,10 @@
 
 mod common;
 
-use askgui_model::{LoraConfig, Qwen2Vl};
+use askgui_model::{LoraConfig, Qwen2Vl, StepOptions, StepOutput, TrainExample};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use common::*;
 
 const TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
@@ -40,8 +41,22 @@ fn case() -> anyhow::Result<Case> {
 }
 
 impl Case {
+    fn example(&self) -> TrainExample {
+        TrainExample {
+            ids: self.ids.clone(),
+            labels_mask: self.mask.clone(),
+            pixel_values: Some(self.pv.clone()),
+            grid_thw: self.grid.clone(),
+        }
+    }
+
+    /// The loss as one candle graph: its `backward` is candle's whole `GradStore`.
     fn loss(&self) -> anyhow::Result<Tensor> {
-        Ok(self.model.loss(&self.ids, Some(&self.pv), &self.grid, &self.mask, 0)?)
+        Ok(self.model.loss(&[self.example()], 0)?)
+    }
+
+    fn step(&self, checkpointing: bool, dropout_seed: u64) -> anyhow::Result<StepOutput> {
+        Ok(self.model.loss_and_grads(&[self.example()], &StepOptions { checkpointing, dropout_seed })?)
     }
 }
 
@@ -135,16 +150,15 @@ fn sgd_steps_change_only_the_adapter() -> anyhow::Result<()> {
     let vars: Vec<(String, Var)> = c.model.trainable_vars("peft")?;
     let before: Vec<Tensor> = vars.iter().map(|(_, v)| v.as_tensor().copy().unwrap()).collect();
     let mut losses = vec![];
-    for _ in 0..3 {
-        let loss = c.loss()?;
-        losses.push(loss.to_scalar::<f32>()?);
-        let grads = loss.backward()?;
+    for step in 0..3 {
+        let out = c.step(true, step)?;
+        losses.push(out.loss as f32);
         for (name, v) in &vars {
-            let g = grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient"));
+            let g = out.grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient"));
             v.set(&(v.as_tensor() - (g * 0.05)?)?)?;
         }
     }
-    losses.push(c.loss()?.to_scalar::<f32>()?);
+    losses.push(c.model.eval_loss(&[c.example()])?.0 as f32);
     eprintln!("SGD losses {losses:?}");
     assert!(losses[3] < losses[0], "SGD did not lower the loss: {losses:?}");
     for ((name, v), b) in vars.iter().zip(&before) {
@@ -170,12 +184,141 @@ fn dropout_is_seeded() -> anyhow::Result<()> {
         }
     }
     c.model.set_active_adapter(Some("d"))?;
-    let l = |seed: u64| -> f32 {
-        c.model.loss(&c.ids, Some(&c.pv), &c.grid, &c.mask, seed).unwrap().to_scalar::<f32>().unwrap()
-    };
+    let l = |seed: u64| -> f32 { c.model.loss(&[c.example()], seed).unwrap().to_scalar::<f32>().unwrap() };
     let (a, b, a2) = (l(1), l(2), l(1));
     eprintln!("dropout losses: seed 1 {a}, seed 2 {b}, seed 1 again {a2}");
     assert_eq!(a.to_bits(), a2.to_bits(), "same seed, different dropout");
     assert_ne!(a, b, "different seeds, same dropout");
+    Ok(())
+}
+
+/// Gradient checkpointing recomputes every block in the backward; with LoRA dropout on (the masks are
+/// seeded per layer, so the recomputation draws the same ones) it must give the one-graph loss and
+/// gradients up to summation order: 1e-5 of each gradient's largest magnitude, 1e-6 relative on the loss.
+#[test]
+fn checkpointing_gives_the_one_graph_gradients() -> anyhow::Result<()> {
+    let mut c = case()?;
+    c.model.load_adapter("peft", fixtures().join("lora/grad/adapter"))?;
+    c.model.make_adapter_trainable("peft")?;
+    c.model.set_active_adapter(Some("peft"))?;
+    c.model.set_adapter_dropout("peft", 0.3)?;
+    let vars = c.model.trainable_vars("peft")?;
+    let full = c.step(false, 5)?;
+    let ckpt = c.step(true, 5)?;
+    let other_seed = c.step(true, 6)?;
+    eprintln!(
+        "loss one graph {:.7}, checkpointed {:.7}, other dropout seed {:.7}",
+        full.loss, ckpt.loss, other_seed.loss
+    );
+    assert!((full.loss - ckpt.loss).abs() <= 1e-6 * full.loss.abs(), "{} vs {}", full.loss, ckpt.loss);
+    assert_ne!(full.loss, other_seed.loss, "dropout had no effect");
+    let mut worst = 0f64;
+    for (name, v) in &vars {
+        let a = full.grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient (one graph)"));
+        let b = ckpt.grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient (checkpointed)"));
+        let (max, _, scale) = diff(b, a);
+        assert!(scale > 0.0 && max <= 1e-5 * scale, "{name}: differs by {max} (scale {scale})");
+        worst = worst.max(max / scale);
+    }
+    eprintln!("{} gradients: largest diff / max magnitude {worst:.3e}", vars.len());
+    // Only the adapter's gradients are returned, in both modes.
+    assert_eq!(full.grads.get_ids().count(), vars.len());
+    assert_eq!(ckpt.grads.get_ids().count(), vars.len());
+    Ok(())
+}
+
+/// Loads the PEFT fixture adapter as a trainable one and activates it.
+fn peft_case() -> anyhow::Result<Case> {
+    let mut c = case()?;
+    c.model.load_adapter("peft", fixtures().join("lora/grad/adapter"))?;
+    c.model.make_adapter_trainable("peft")?;
+    c.model.set_active_adapter(Some("peft"))?;
+    Ok(c)
+}
+
+/// A right-padded batch of two sequences of different lengths and images (three images: the first
+/// sequence has two) against PEFT: one mean over the 13 supervised tokens of the batch. Same tolerances
+/// as for one sequence; checkpointing on, as the trainer runs.
+#[test]
+fn batched_loss_and_gradients_match_peft() -> anyhow::Result<()> {
+    let c = peft_case()?;
+    let want = load_st("lora/grad/batch.safetensors");
+    let ids: Vec<i64> = get(&want, "input_ids").to_dtype(DType::I64)?.to_vec2::<i64>()?.concat();
+    let keep: Vec<i64> = get(&want, "attention_mask").to_dtype(DType::I64)?.to_vec2::<i64>()?.concat();
+    let sup = to_u32(get(&want, "labels_mask"));
+    let (b, t) = get(&want, "input_ids").dims2()?;
+    let mut grid_rows = grids(get(&want, "image_grid_thw")).into_iter();
+    let pv = get(&want, "pixel_values");
+    let (mut batch, mut row) = (vec![], 0);
+    for s in 0..b {
+        let r = s * t..(s + 1) * t;
+        let seq: Vec<u32> =
+            ids[r.clone()].iter().zip(&keep[r.clone()]).filter(|(_, &k)| k == 1).map(|(&i, _)| i as u32).collect();
+        let n_images = seq.iter().filter(|&&i| i == c.model.cfg.vision_start_token_id).count();
+        let grid_thw: Vec<[usize; 3]> = grid_rows.by_ref().take(n_images).collect();
+        let rows: usize = grid_thw.iter().map(|g| g.iter().product::<usize>()).sum();
+        batch.push(TrainExample {
+            labels_mask: sup[r][..seq.len()].iter().map(|&m| m != 0).collect(),
+            ids: seq,
+            pixel_values: Some(pv.narrow(0, row, rows)?),
+            grid_thw,
+        });
+        row += rows;
+    }
+    assert_eq!((batch.len(), row, batch[0].grid_thw.len()), (2, pv.dim(0)?, 2), "fixture layout; {REGENERATE_GRAD}");
+    assert!(batch[0].ids.len() != batch[1].ids.len(), "the fixture's sequences should differ in length");
+
+    let out = c.model.loss_and_grads(&batch, &StepOptions::default())?;
+    let want_l = get(&want, "loss").to_scalar::<f32>()? as f64;
+    let rel = (out.loss - want_l).abs() / want_l.abs();
+    eprintln!("batched loss {:.7} vs PEFT {want_l:.7}: relative diff {rel:.3e}", out.loss);
+    assert!(rel <= 1e-5, "loss {} vs PEFT {want_l}; {REGENERATE_GRAD}", out.loss);
+    assert_eq!(out.supervised_tokens, sup.iter().filter(|&&m| m != 0).count());
+    let mut worst = 0f64;
+    for (name, v) in c.model.trainable_vars("peft")? {
+        let g = out.grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient"));
+        let (max, _, scale) = diff(g, get(&want, &name));
+        assert!(scale > 0.0 && max <= 1e-4 * scale, "{name}: gradient differs by {max} (scale {scale})");
+        worst = worst.max(max / scale);
+    }
+    eprintln!("batched gradients: largest diff / max magnitude {worst:.3e}");
+    Ok(())
+}
+
+/// Five AdamW steps (candle-nn's `AdamW`, PyTorch's formula) from the PEFT adapter against
+/// `torch.optim.AdamW` with the same hyperparameters: each loss within 1e-5 relative, the final LoRA
+/// weights within 2e-5 of each tensor's largest magnitude. AdamW divides by `sqrt(v)`, so an element whose
+/// gradient is near zero can take a step of up to `lr` on either side from gradient noise of 1e-6; the
+/// weights are O(1e-1) and a wrong step would move many elements by `lr` (1e-3, 1e-2 relative).
+#[test]
+fn adamw_steps_match_pytorch() -> anyhow::Result<()> {
+    let c = peft_case()?;
+    let want = load_st("lora/grad/adamw.safetensors");
+    let h = |k: &str| -> anyhow::Result<f64> { Ok(get(&want, k).to_dtype(DType::F64)?.to_scalar::<f64>()?) };
+    let params = ParamsAdamW {
+        lr: h("lr")?,
+        beta1: h("beta1")?,
+        beta2: h("beta2")?,
+        eps: h("eps")?,
+        weight_decay: h("weight_decay")?,
+    };
+    let vars = c.model.trainable_vars("peft")?;
+    let mut opt = AdamW::new(vars.iter().map(|(_, v)| v.clone()).collect(), params)?;
+    let want_losses: Vec<f32> = get(&want, "losses").to_vec1()?;
+    let mut worst_loss = 0f64;
+    for (step, &wl) in want_losses.iter().enumerate() {
+        let out = c.step(true, step as u64)?;
+        let rel = (out.loss - wl as f64).abs() / (wl as f64).abs();
+        assert!(rel <= 1e-5, "step {step}: loss {} vs PyTorch {wl}; {REGENERATE_GRAD}", out.loss);
+        worst_loss = worst_loss.max(rel);
+        opt.step(&out.grads)?;
+    }
+    let mut worst = 0f64;
+    for (name, v) in &vars {
+        let (max, _, scale) = diff(v.as_tensor(), get(&want, &format!("final.{name}")));
+        assert!(max <= 2e-5 * scale, "{name}: final weight differs by {max} (scale {scale})");
+        worst = worst.max(max / scale);
+    }
+    eprintln!("AdamW losses {want_losses:?}: largest relative diff {worst_loss:.3e}; final weights: largest diff / max magnitude {worst:.3e}");
     Ok(())
 }
