@@ -6,40 +6,40 @@
 //! and an optional key padding `(B, Tk)` (1 = real key, 0 = padding).
 //!
 //! Why: the reference materialises a `(Tq x Tk)` score matrix (and a mask tensor) per head and keeps them
-//! for candle's autograd; this op never builds either. Its CPU forward follows FlashAttention-2 (Tri Dao,
-//! "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023), one query row
-//! at a time: keys are visited in blocks of [`KEY_BLOCK`], only the visible ones (the causal prefix, the
-//! row's segment, the unpadded keys), with an online softmax (running max `m`, running sum `l`, rescaled
-//! output accumulator). It saves the per-row logsumexp `lse = m + ln l` for the backward. The backward is
-//! explicit (a second, no-backward CustomOp) with the FlashAttention recurrence: `P_ij = exp(s_ij - lse_i)`
-//! recomputed on the fly, `D_i = rowsum(dO_i * O_i)`, `dV_j += P_ij dO_i`, `dS_ij = P_ij (dO_i . v_j - D_i)`,
-//! `dQ_i += scale dS_ij k_j`, `dK_j += scale dS_ij q_i`; the `Hq / Hkv` query heads that share a kv head
+//! for candle's autograd; this op never builds either and keeps only the per-row logsumexp. Its CPU
+//! forward takes each head's queries in blocks of [`QUERY_BLOCK`] rows (FlashAttention-2's outer loop,
+//! Tri Dao, 2023): the block's scores against the keys it can see (the causal prefix, the rows'
+//! segments) are one GEMM into a `(QUERY_BLOCK, keys)` buffer, the masked softmax runs per row with f64
+//! statistics, and `O = P V` is a second GEMM; it saves `lse_i = m_i + ln l_i` for the backward. Memory is
+//! one such buffer per thread, never `Tq x Tk`. The backward is explicit (a second, no-backward CustomOp):
+//! `P = exp(S - lse)` recomputed per block, `D_i = rowsum(dO_i * O_i)`, `dV += P^T dO`, `dP = dO V^T`,
+//! `dS = scale P (dP - D)`, `dQ = dS K`, `dK += dS^T Q`; the `Hq / Hkv` query heads that share a kv head
 //! accumulate into its `dK`, `dV`. Inputs that track no gradient get `None`.
 //!
 //! Choices:
 //! - the logsumexp is kept inside the op struct (a `Mutex<Option<Vec<f64>>>` filled by the CPU forward,
 //!   `Tq` values per (batch, head): small); if it is absent (a forward run elsewhere) the backward kernel
-//!   recomputes it with the same streaming pass;
+//!   recomputes it with the forward;
 //! - a query row with no visible key (e.g. a left-padding position under a causal mask) yields an output
 //!   of exactly 0 and contributes nothing to any gradient. The reference instead returns a finite average
 //!   of `v` there (all its scores equal `MASKED`); both are finite, and such rows are garbage positions
 //!   that a training loss masks out, so the tests compare forward values on rows with a visible key only;
 //! - key padding with a block-diagonal mask is refused (the reference ignores the padding there);
-//! - scores, softmax statistics and gradient sums are computed in f64 whatever the storage dtype (f32 or
-//!   f64); the kernel is plain loops, parallel over heads with rayon (query heads in the forward,
-//!   key/value heads in the backward, so that no two tasks write one gradient element), O(D) extra
-//!   memory per head in the forward, O(B Hkv Tk D) f64 accumulators in the backward.
+//! - products run in the storage dtype (f32 or f64) through the `gemm` crate; softmax statistics and
+//!   `D_i` in f64. Heads run in parallel with rayon (query heads in the forward, key/value heads in the
+//!   backward, so that no two tasks write one gradient element); each GEMM is single-threaded.
 //!
 //! Tests: `cargo test -p askgui-kernels --test grad_attention -- --nocapture`.
 
+use super::gemm::{matmul, View};
 use super::{contiguous_slice, dtype_mismatch, dtype_name};
 use crate::attention::AttentionMask;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
 
-/// Keys scored at once per query row (one FlashAttention-2 key block).
-pub const KEY_BLOCK: usize = 64;
+/// Query rows taken at once: their scores against the keys they can see are one `(64, Tk)` block.
+pub const QUERY_BLOCK: usize = 64;
 
 /// The mask as plain data owned by the op.
 #[derive(Clone, Debug)]
@@ -119,72 +119,79 @@ fn dot<T: WithDType>(a: &[T], b: &[T]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x.to_f64() * y.to_f64()).sum()
 }
 
-/// The streaming forward: returns `(O (B, Hq, Tq, D), lse (B, Hq, Tq))`; `lse` is `-inf` for a row with no
-/// visible key, whose output is 0. The `B * Hq` heads run in parallel on candle's CPU thread pool.
+/// The key range `lo..hi` that covers every row of the query block `i0..i0 + n` (`None` when empty).
+fn block_keys(spec: &Spec, dims: &Dims, i0: usize, n: usize) -> Option<(usize, usize)> {
+    let (lo, hi) = (i0..i0 + n)
+        .map(|i| spec.key_range(dims, i))
+        .filter(|(lo, hi)| hi > lo)
+        .fold((usize::MAX, 0), |(a, b), (lo, hi)| (a.min(lo), b.max(hi)));
+    (hi > lo).then_some((lo, hi))
+}
+
+/// The forward: returns `(O (B, Hq, Tq, D), lse (B, Hq, Tq))`; `lse` is `-inf` for a row with no visible
+/// key, whose output is 0. Heads run in parallel; each takes its queries in blocks of [`QUERY_BLOCK`]:
+/// `S = scale Q K^T` over the keys the block can see (one GEMM), a masked softmax per row (statistics in
+/// f64), `O = P V` (one GEMM).
 fn forward<T: WithDType>(q: &[T], k: &[T], v: &[T], dims: &Dims, spec: &Spec) -> (Vec<T>, Vec<f64>) {
     let Dims { hq, hkv, tq, tk, d, .. } = *dims;
     let rep = hq / hkv;
     let mut out = vec![T::zero(); q.len()];
-    let mut lse = vec![0f64; dims.b * hq * tq];
+    let mut lse = vec![f64::NEG_INFINITY; dims.b * hq * tq];
     let heads = out.par_chunks_mut(tq * d).zip(lse.par_chunks_mut(tq)).enumerate();
     heads.for_each(|(bh, (out, lse))| {
-        let (b, h) = (bh / hq, bh % hq);
-        let kv = (b * hkv + h / rep) * tk;
-        let mut acc = vec![0f64; d];
-        let mut scores = [0f64; KEY_BLOCK];
-        let mut cols = [0usize; KEY_BLOCK];
-        for i in 0..tq {
-            let qi = &q[(bh * tq + i) * d..][..d];
-            let (lo, hi) = spec.key_range(dims, i);
-            let (mut m, mut l) = (f64::NEG_INFINITY, 0f64);
-            acc.fill(0.0);
-            let mut j = lo;
-            while j < hi {
-                // Score one block of visible keys, then fold it into the running statistics.
-                let mut n = 0;
-                let mut block_max = f64::NEG_INFINITY;
-                while j < hi && n < KEY_BLOCK {
-                    if spec.visible(dims, b, j) {
-                        let s = spec.scale * dot(qi, &k[(kv + j) * d..][..d]);
-                        block_max = block_max.max(s);
-                        (scores[n], cols[n]) = (s, j);
-                        n += 1;
-                    }
-                    j += 1;
-                }
-                if n == 0 {
-                    continue;
-                }
-                let m_new = m.max(block_max);
-                let c = (m - m_new).exp(); // 0 on the first block (m = -inf)
-                l *= c;
-                acc.iter_mut().for_each(|a| *a *= c);
-                for (&s, &col) in scores[..n].iter().zip(&cols[..n]) {
-                    let p = (s - m_new).exp();
-                    l += p;
-                    for (a, x) in acc.iter_mut().zip(&v[(kv + col) * d..][..d]) {
-                        *a += p * x.to_f64();
-                    }
-                }
-                m = m_new;
+        let (b, kvh) = (bh / hq, bh / rep);
+        let qh = &q[bh * tq * d..][..tq * d];
+        let (kh, vh) = (&k[kvh * tk * d..][..tk * d], &v[kvh * tk * d..][..tk * d]);
+        let mut p = Vec::new();
+        for i0 in (0..tq).step_by(QUERY_BLOCK) {
+            let nq = QUERY_BLOCK.min(tq - i0);
+            let Some((lo, hi)) = block_keys(spec, dims, i0, nq) else { continue };
+            let nk = hi - lo;
+            p.resize(nq * nk, T::zero());
+            let kr = View::rows(&kh[lo * d..], nk, d, d);
+            // (nq, d) @ (d, nk) -> scores (nq, nk)
+            matmul(&mut p, nk, View::rows(&qh[i0 * d..], nq, d, d), kr.t(), T::from_f64(spec.scale), false, false);
+            for (r, row) in p.chunks_exact_mut(nk).enumerate() {
+                lse[i0 + r] = softmax_row(row, spec, dims, b, i0 + r, lo);
             }
-            // A row with no visible key keeps its zeros.
-            if l > 0.0 {
-                for (o, a) in out[i * d..][..d].iter_mut().zip(&acc) {
-                    *o = T::from_f64(a / l);
-                }
-                lse[i] = m + l.ln();
-            } else {
-                lse[i] = f64::NEG_INFINITY;
-            }
+            // (nq, nk) @ (nk, d) -> O (nq, d)
+            let vr = View::rows(&vh[lo * d..], nk, d, d);
+            matmul(&mut out[i0 * d..], d, View::rows(&p, nq, nk, nk), vr, T::one(), false, false);
         }
     });
     (out, lse)
 }
 
+/// Turns the scores of query row `i` (keys `lo..lo + row.len()`) into its softmax probabilities in place,
+/// 0 for keys the row may not see; returns the logsumexp (`-inf`, and a zero row, when it sees none).
+fn softmax_row<T: WithDType>(row: &mut [T], spec: &Spec, dims: &Dims, b: usize, i: usize, lo: usize) -> f64 {
+    let (rlo, rhi) = spec.key_range(dims, i);
+    let seen = |j: usize| j >= rlo && j < rhi && spec.visible(dims, b, j);
+    let m =
+        row.iter().enumerate().filter(|(c, _)| seen(lo + c)).map(|(_, s)| s.to_f64()).fold(f64::NEG_INFINITY, f64::max);
+    if m == f64::NEG_INFINITY {
+        row.fill(T::zero());
+        return f64::NEG_INFINITY;
+    }
+    let mut l = 0f64;
+    let mut e = vec![0f64; row.len()];
+    for (c, (s, e)) in row.iter().zip(e.iter_mut()).enumerate() {
+        if seen(lo + c) {
+            *e = (s.to_f64() - m).exp();
+            l += *e;
+        }
+    }
+    for (s, e) in row.iter_mut().zip(&e) {
+        *s = T::from_f64(e / l);
+    }
+    m + l.ln()
+}
+
 /// The backward: `qod (B, Hq, Tq, 3D)` packs `[q, O, dO]` per row; returns `[dq, dk, dv]` flattened.
-/// The `B * Hkv` key/value heads run in parallel: each owns its `dk`, `dv` and the `dq` of the query
-/// heads that share it, so no two tasks write the same element.
+/// The `B * Hkv` key/value heads run in parallel: each owns its `dk`, `dv` and the `dq` of the query heads
+/// that share it, so no two tasks write one element. Per query block: `P = exp(scale Q K^T - lse)`,
+/// `dV += P^T dO`, `dP = dO V^T`, `dS = scale P (dP - rowsum(dO O))`, `dQ = dS K`, `dK += dS^T Q`: five
+/// GEMMs and two elementwise passes.
 fn backward<T: WithDType>(qod: &[T], k: &[T], v: &[T], lse: Option<&[f64]>, dims: &Dims, spec: &Spec) -> Vec<T> {
     let Dims { b: nb, hq, hkv, tq, tk, d } = *dims;
     let rep = hq / hkv;
@@ -197,42 +204,59 @@ fn backward<T: WithDType>(qod: &[T], k: &[T], v: &[T], lse: Option<&[f64]>, dims
             &recomputed
         }
     };
-    let mut dq = vec![0f64; nb * hq * tq * d];
-    let mut dk = vec![0f64; k.len()];
-    let mut dv = vec![0f64; v.len()];
+    let mut dq = vec![T::zero(); nb * hq * tq * d];
+    let mut dk = vec![T::zero(); k.len()];
+    let mut dv = vec![T::zero(); v.len()];
     let groups = dq.par_chunks_mut(rep * tq * d).zip(dk.par_chunks_mut(tk * d).zip(dv.par_chunks_mut(tk * d)));
     groups.enumerate().for_each(|(bg, (dq, (dk, dv)))| {
-        let (b, kv) = (bg / hkv, bg * tk);
+        let b = bg / hkv;
+        let (kh, vh) = (&k[bg * tk * d..][..tk * d], &v[bg * tk * d..][..tk * d]);
+        let (mut p, mut ds) = (Vec::new(), Vec::new());
         for r in 0..rep {
-            for i in 0..tq {
-                let row = (bg * rep + r) * tq + i;
-                let li = lse[row];
-                if li == f64::NEG_INFINITY {
-                    continue; // no visible key: output 0, no gradient
+            let row0 = (bg * rep + r) * tq;
+            for i0 in (0..tq).step_by(QUERY_BLOCK) {
+                let nq = QUERY_BLOCK.min(tq - i0);
+                let Some((lo, hi)) = block_keys(spec, dims, i0, nq) else { continue };
+                let nk = hi - lo;
+                // [q, O, dO] rows of the block, 3D apart.
+                let x = &qod[(row0 + i0) * 3 * d..];
+                let (qb, dob) = (View::rows(x, nq, d, 3 * d), View::rows(&x[2 * d..], nq, d, 3 * d));
+                let (kr, vr) = (View::rows(&kh[lo * d..], nk, d, d), View::rows(&vh[lo * d..], nk, d, d));
+                p.resize(nq * nk, T::zero());
+                ds.resize(nq * nk, T::zero());
+                matmul(&mut p, nk, qb, kr.t(), T::from_f64(spec.scale), false, false);
+                for (rr, row) in p.chunks_exact_mut(nk).enumerate() {
+                    probabilities_row(row, spec, dims, b, i0 + rr, lo, lse[row0 + i0 + rr]);
                 }
-                let x = &qod[row * 3 * d..][..3 * d];
-                let (qi, oi, doi) = (&x[..d], &x[d..2 * d], &x[2 * d..]);
-                let delta = dot(doi, oi);
-                let dqi = &mut dq[(r * tq + i) * d..][..d];
-                let (lo, hi) = spec.key_range(dims, i);
-                for j in lo..hi {
-                    if !spec.visible(dims, b, j) {
-                        continue;
-                    }
-                    let (kj, vj) = (&k[(kv + j) * d..][..d], &v[(kv + j) * d..][..d]);
-                    let p = (spec.scale * dot(qi, kj) - li).exp();
-                    let ds = spec.scale * p * (dot(doi, vj) - delta);
-                    let (dkj, dvj) = (&mut dk[j * d..][..d], &mut dv[j * d..][..d]);
-                    for x in 0..d {
-                        dvj[x] += p * doi[x].to_f64();
-                        dqi[x] += ds * kj[x].to_f64();
-                        dkj[x] += ds * qi[x].to_f64();
+                // dV (nk, d) += P^T (nk, nq) @ dO (nq, d); dP (nq, nk) = dO (nq, d) @ V^T (d, nk)
+                matmul(&mut dv[lo * d..], d, View::rows(&p, nq, nk, nk).t(), dob, T::one(), true, false);
+                matmul(&mut ds, nk, dob, vr.t(), T::one(), false, false);
+                for (rr, (ds, p)) in ds.chunks_exact_mut(nk).zip(p.chunks_exact(nk)).enumerate() {
+                    let row = (i0 + rr) * 3 * d + row0 * 3 * d;
+                    let delta = dot(&qod[row + 2 * d..][..d], &qod[row + d..][..d]);
+                    for (s, &pv) in ds.iter_mut().zip(p) {
+                        *s = T::from_f64(spec.scale * pv.to_f64() * (s.to_f64() - delta));
                     }
                 }
+                // dQ (nq, d) = dS (nq, nk) @ K (nk, d); dK (nk, d) += dS^T (nk, nq) @ Q (nq, d)
+                let dsv = View::rows(&ds, nq, nk, nk);
+                matmul(&mut dq[(r * tq + i0) * d..], d, dsv, kr, T::one(), false, false);
+                matmul(&mut dk[lo * d..], d, dsv.t(), qb, T::one(), true, false);
             }
         }
     });
-    dq.into_iter().chain(dk).chain(dv).map(T::from_f64).collect()
+    dq.into_iter().chain(dk).chain(dv).collect()
+}
+
+/// Turns the scores of query row `i` into `exp(s - lse)` in place, 0 for keys it may not see (all of
+/// them when `lse` is `-inf`: no visible key, no gradient).
+fn probabilities_row<T: WithDType>(row: &mut [T], spec: &Spec, dims: &Dims, b: usize, i: usize, lo: usize, lse: f64) {
+    let (rlo, rhi) = spec.key_range(dims, i);
+    for (c, s) in row.iter_mut().enumerate() {
+        let j = lo + c;
+        let seen = lse > f64::NEG_INFINITY && j >= rlo && j < rhi && spec.visible(dims, b, j);
+        *s = if seen { T::from_f64((s.to_f64() - lse).exp()) } else { T::zero() };
+    }
 }
 
 /// The forward op on `(q, k, v)`; keeps the logsumexp of its CPU forward for [`Attention::bwd`].

@@ -7,6 +7,7 @@
 //! uses); its twin is [`frozen_linear_reference`], candle's matmul, which the tests compare against.
 //! Tests: `cargo test -p askgui-kernels --test grad_ops`.
 
+use super::gemm::{matmul, View};
 use super::{contiguous_slice, dtype_name};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, WithDType, D};
 
@@ -15,38 +16,9 @@ struct FrozenLinear;
 /// `y (N, out) = x (N, in) @ w (out, in)^T` by the `gemm` crate, on candle's CPU thread count.
 fn linear_fwd<T: WithDType>(x: &[T], w: &[T], d_in: usize) -> Vec<T> {
     let (n, d_out) = (x.len() / d_in, w.len() / d_in);
-    let mut y = vec![T::from_f64(0.0); n * d_out];
-    if n == 0 || d_out == 0 {
-        return y;
-    }
-    let threads = candle_core::utils::get_num_threads();
-    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    // SAFETY: the three buffers hold exactly n*in, out*in and n*out elements, and the strides below
-    // (in elements) address only inside them: dst (n, out) row-major; lhs = x (n, in) row-major; rhs =
-    // w^T (in, out), whose element (k, j) is w[j * in + k]. dst is not read (read_dst false, alpha 0).
-    unsafe {
-        gemm::gemm(
-            n,
-            d_out,
-            d_in,
-            y.as_mut_ptr(),
-            1,
-            d_out as isize,
-            false,
-            x.as_ptr(),
-            1,
-            d_in as isize,
-            w.as_ptr(),
-            d_in as isize,
-            1,
-            T::from_f64(0.0),
-            T::from_f64(1.0),
-            false,
-            false,
-            false,
-            par,
-        );
-    }
+    let mut y = vec![T::zero(); n * d_out];
+    let (x, w) = (View::rows(x, n, d_in, d_in), View::rows(w, d_out, d_in, d_in));
+    matmul(&mut y, d_out, x, w.t(), T::one(), false, true);
     y
 }
 

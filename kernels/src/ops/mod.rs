@@ -21,6 +21,7 @@
 
 pub mod attention;
 pub mod cross_entropy;
+mod gemm;
 pub mod linear;
 pub mod norm;
 pub mod rope;
