@@ -1,0 +1,150 @@
+//! The contract between the HTTP layer and the thread that owns the model.
+//!
+//! Handlers parse and validate a request (JSON, base64, image format and size) into a [`Job`]; the engine
+//! queues jobs and hands batches of them to one [`Backend`] on its own thread; the backend answers every
+//! job on the job's reply channel (and streams text pieces when the job asks for it). Handlers never touch
+//! tensors and backends never see HTTP, so the handlers are tested against a stub backend and the model
+//! backend ([`crate::model_backend`]) without a server.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse};
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot};
+
+/// A decoded image, already checked against the server's pixel limit.
+#[derive(Debug, Clone)]
+pub struct ImageInput {
+    pub image: Arc<image::RgbImage>,
+    /// A hash of the encoded bytes, so that the same screenshot sent twice is recognised (an encoder
+    /// cache key).
+    pub hash: u64,
+}
+
+/// `POST /v1/agent/step` (or a session step turned into one).
+#[derive(Debug, Clone)]
+pub struct StepJob {
+    /// Checked with [`AgentStepRequest::check`]; its base64 screenshot has been decoded into `screenshot`.
+    pub request: AgentStepRequest,
+    pub screenshot: Option<ImageInput>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatRole {
+    System,
+    User,
+    Assistant,
+}
+
+#[derive(Debug, Clone)]
+pub enum ChatPart {
+    Text(String),
+    Image(ImageInput),
+}
+
+#[derive(Debug, Clone)]
+pub struct ChatMessage {
+    pub role: ChatRole,
+    pub parts: Vec<ChatPart>,
+}
+
+/// `POST /v1/chat/completions`, validated.
+#[derive(Debug, Clone)]
+pub struct ChatJob {
+    pub messages: Vec<ChatMessage>,
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    pub temperature: f64,
+    pub top_p: f64,
+    pub seed: Option<u64>,
+    /// Stop strings: generation ends before the first occurrence of any.
+    pub stop: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub enum JobKind {
+    Step(StepJob),
+    Chat(ChatJob),
+}
+
+/// One unit of work for the backend, with the channels its answer goes back on.
+#[derive(Debug)]
+pub struct Job {
+    pub kind: JobKind,
+    /// The LoRA adapter to answer with (a name the backend lists in [`BackendInfo::adapters`]); `None`
+    /// is the base model.
+    pub adapter: Option<String>,
+    pub enqueued: Instant,
+    /// Set when the client goes away: the backend stops generating for this job and answers
+    /// [`BackendError::Cancelled`].
+    pub cancelled: Arc<AtomicBool>,
+    /// Text pieces, in order, as they are decoded (chat streaming); their concatenation is the final text.
+    pub stream: Option<mpsc::UnboundedSender<String>>,
+    pub reply: oneshot::Sender<Result<JobOutput, BackendError>>,
+}
+
+impl Job {
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed) || self.reply.is_closed()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// The answer to a [`ChatJob`].
+#[derive(Debug, Clone)]
+pub struct ChatOutput {
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+#[derive(Debug, Clone)]
+pub enum JobOutput {
+    Step(Box<AgentStepResponse>),
+    Chat(ChatOutput),
+}
+
+/// Why a job was not answered. The HTTP layer maps each to a status: `BadInput`, `UnknownAdapter` and
+/// `ContextOverflow` are the client's (4xx), `Cancelled` is never seen by a client that is still there,
+/// `Internal` is a 500 for this request only.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum BackendError {
+    #[error("{0}")]
+    BadInput(String),
+    #[error("unknown adapter `{name}`; this server has: {available}")]
+    UnknownAdapter { name: String, available: String },
+    #[error("the prompt is {tokens} tokens but the model's context is {limit}; shorten the history or the messages")]
+    ContextOverflow { tokens: usize, limit: usize },
+    #[error("the client went away")]
+    Cancelled,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// What the backend serves, for `/v1/models`, `/health` and request validation.
+#[derive(Debug, Clone)]
+pub struct BackendInfo {
+    /// The model's id (a directory name or hub id).
+    pub model: String,
+    /// Loaded LoRA adapters by name.
+    pub adapters: Vec<String>,
+    /// The longest prompt plus answer, in tokens.
+    pub context_length: usize,
+}
+
+/// The thing that owns the model. Runs on one thread of its own; `run` gets a batch of jobs that arrived
+/// together and must send exactly one reply per job (a job whose client has gone may be dropped).
+pub trait Backend: Send + 'static {
+    fn info(&self) -> BackendInfo;
+    fn run(&mut self, jobs: Vec<Job>);
+}
