@@ -37,6 +37,8 @@ pub struct TextConfig {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub mrope_section: Vec<usize>,
+    /// The longest sequence (prompt and answer) the model was trained for.
+    pub max_position_embeddings: usize,
 }
 
 impl TextConfig {
@@ -188,6 +190,7 @@ impl ModelConfig {
             rms_norm_eps: t.f64_or("rms_norm_eps", 1e-6)?,
             rope_theta,
             mrope_section,
+            max_position_embeddings: t.usize_or("max_position_embeddings", 32768)?,
         };
         if t.map.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
             return Err(

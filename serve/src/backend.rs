@@ -86,6 +86,13 @@ pub struct Job {
 }
 
 impl Job {
+    /// A job (no streaming, not cancelled) and the receiver of its answer.
+    pub fn new(kind: JobKind, adapter: Option<String>) -> (Self, oneshot::Receiver<Result<JobOutput, BackendError>>) {
+        let (reply, rx) = oneshot::channel();
+        let job = Self { kind, adapter, enqueued: Instant::now(), cancelled: Arc::default(), stream: None, reply };
+        (job, rx)
+    }
+
     pub fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed) || self.reply.is_closed()
     }

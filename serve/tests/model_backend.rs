@@ -1,0 +1,208 @@
+//! The model backend on the tiny random Qwen2.5-VL checkpoint of the model tests: the action-name
+//! distribution (and so `ask_probability`) against the model's plain full-sequence forward, constrained
+//! answers that always parse, `pause_threshold`, adapters, and chat streaming.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use askgui_data::action::ACTION_NAMES;
+use askgui_data::agent_api::{AgentStepRequest, StepOptions};
+use askgui_model::{preprocess, LoraConfig, Qwen2Vl};
+use askgui_serve::backend::{
+    ChatJob, ChatMessage, ChatPart, ChatRole, FinishReason, ImageInput, Job, JobKind, StepJob,
+};
+use askgui_serve::model_backend::ModelBackend;
+use candle_core::{DType, Device};
+
+fn checkpoint() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl")
+}
+
+fn screenshot(w: u32, h: u32) -> ImageInput {
+    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x * 7 % 256) as u8, (y * 3 % 256) as u8, 90]));
+    ImageInput { image: Arc::new(img), hash: (w as u64) << 32 | h as u64 }
+}
+
+fn step_job(task: &str, options: StepOptions) -> StepJob {
+    let mut request = AgentStepRequest::new(task, "unused: decoded below");
+    request.options = options;
+    StepJob { request, screenshot: Some(screenshot(200, 150)) }
+}
+
+fn backend(with_adapter: bool) -> anyhow::Result<ModelBackend> {
+    let mut model = Qwen2Vl::load(checkpoint().to_str().unwrap(), &Device::Cpu, DType::F32)?;
+    if with_adapter {
+        model.add_trainable_adapter("probe", LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "down_proj"]), 3)?;
+        for (name, v) in model.trainable_vars("probe")? {
+            if name.ends_with("lora_B") {
+                v.set(&(v.ones_like()? * 0.3)?)?;
+            }
+        }
+    }
+    ModelBackend::from_model(model, "tiny")
+}
+
+const NEVER: &dyn Fn() -> bool = &|| false;
+
+/// `ask_probability` is the model's probability of `ask"` among the 15 names after the forced
+/// `{"action":"`; recomputed here from one full forward per name (no KV cache), normalised over names.
+/// Tolerance 1e-4: the same f32 model through two code paths.
+#[test]
+fn ask_probability_is_the_models_distribution_over_action_names() -> anyhow::Result<()> {
+    let mut b = backend(false)?;
+    let job = step_job("Open the settings and turn on dark mode", StepOptions::default());
+    let r = b.step(&job, NEVER)?;
+    let p = r.ask_probability.expect("ask_probability");
+
+    // The same prompt through the model's plain forward.
+    let model = Qwen2Vl::load(checkpoint().to_str().unwrap(), &Device::Cpu, DType::F32)?;
+    let tok = model.tokenizer()?;
+    let img = preprocess(&job.screenshot.as_ref().unwrap().image, &model.image_config)?;
+    let frame_model = (img.resized.0 as u32, img.resized.1 as u32);
+    assert_eq!((r.frame.model.width, r.frame.model.height), frame_model, "frame is the processed image");
+    let mut frame = askgui_data::prompt::PromptConfig::default().frame_map(200, 150)?;
+    frame.model = frame_model;
+    let ctx = askgui_data::prompt::StepContext {
+        task: &job.request.task,
+        history: &[],
+        screenshots: vec![PathBuf::from("s")],
+        elements: None,
+        frame,
+    };
+    let text = askgui_data::prompt::render_chatml(&askgui_data::prompt::step_messages(&ctx), true).text;
+    let mut ids = tok.encode_prompt(&text, &[img.num_tokens(model.image_config.geometry.merge_size)])?;
+    ids.extend(tok.encode("{\"action\":\"")?);
+    let pv = img.pixel_tensor(&Device::Cpu)?;
+    let mut logp = vec![];
+    for name in ACTION_NAMES {
+        let cont = tok.encode(&format!("{name}\""))?;
+        let full: Vec<u32> = ids.iter().chain(&cont).copied().collect();
+        let logits = model.forward_prompt(&full, Some(&pv), &[img.grid_thw])?; // (T, V)
+        let mut l = 0f64;
+        for (k, &t) in cont.iter().enumerate() {
+            let row: Vec<f64> = logits.get(ids.len() + k - 1)?.to_dtype(DType::F64)?.to_vec1()?;
+            let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            l += row[t as usize] - m - row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        }
+        logp.push(l);
+    }
+    let m = logp.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let z: f64 = logp.iter().map(|l| (l - m).exp()).sum();
+    let want = (logp[ACTION_NAMES.iter().position(|&n| n == "ask").unwrap()] - m).exp() / z;
+    eprintln!("ask_probability {p:.6} vs full forward {want:.6}; answer {}", r.raw);
+    assert!((p - want).abs() <= 1e-4, "ask_probability {p} vs {want}");
+    Ok(())
+}
+
+/// A random model writes garbage; constrained decoding still answers an action that parses, at any
+/// temperature and seed, for every kind of action.
+#[test]
+fn constrained_answers_always_parse() -> anyhow::Result<()> {
+    let mut b = backend(false)?;
+    let mut kinds = std::collections::BTreeSet::new();
+    for seed in 0..12u64 {
+        let opts = StepOptions { temperature: Some(1.5), seed: Some(seed), max_tokens: Some(40), ..Default::default() };
+        let r = b.step(&step_job("Find the cheapest flight", opts), NEVER)?;
+        askgui_data::parse::parse_answer(&r.raw)?;
+        r.action.check().map_err(anyhow::Error::msg)?;
+        kinds.insert(r.action.name());
+        // The template's keys are always written (one token per character with this byte-level
+        // tokenizer: up to about 50); the free digits and string contents stop at max_tokens.
+        assert!(r.usage.completion_tokens <= 40 + 50, "{} completion tokens: {}", r.usage.completion_tokens, r.raw);
+    }
+    eprintln!("action kinds seen: {kinds:?}");
+    assert!(kinds.len() >= 3, "sampling should reach several action kinds, saw {kinds:?}");
+    Ok(())
+}
+
+#[test]
+fn pause_threshold_decides_the_ask() -> anyhow::Result<()> {
+    let mut b = backend(false)?;
+    let always = StepOptions { pause_threshold: Some(0.0), ..Default::default() };
+    let r = b.step(&step_job("Buy milk", always), NEVER)?;
+    assert_eq!(r.action.name(), "ask", "{}", r.raw);
+    let never = StepOptions { pause_threshold: Some(1.0), ..Default::default() };
+    let r = b.step(&step_job("Buy milk", never), NEVER)?;
+    assert!(r.ask_probability.unwrap() < 1.0);
+    assert_ne!(r.action.name(), "ask", "{}", r.raw);
+    Ok(())
+}
+
+/// An adapter changes the answer distribution; the base model is back when no adapter is asked for.
+#[test]
+fn adapters_are_chosen_per_job() -> anyhow::Result<()> {
+    let mut b = backend(true)?;
+    assert_eq!(askgui_serve::backend::Backend::info(&b).adapters, ["probe"]);
+    let mut run = |adapter: Option<&str>| -> anyhow::Result<_> {
+        let (job, rx) =
+            Job::new(JobKind::Step(step_job("Call mum", StepOptions::default())), adapter.map(String::from));
+        askgui_serve::backend::Backend::run(&mut b, vec![job]);
+        match rx.blocking_recv()?? {
+            askgui_serve::backend::JobOutput::Step(r) => Ok(r),
+            other => panic!("not a step answer: {other:?}"),
+        }
+    };
+    let base = run(None)?;
+    let adapted = run(Some("probe"))?;
+    eprintln!("ask_probability base {:?}, adapter {:?}", base.ask_probability, adapted.ask_probability);
+    assert_ne!(base.ask_probability, adapted.ask_probability);
+    let again = run(None)?;
+    match run(Some("nope")) {
+        Err(e) => assert!(e.to_string().contains("unknown adapter `nope`; this server has: probe"), "{e}"),
+        Ok(r) => panic!("an unknown adapter answered {r:?}"),
+    }
+    assert_eq!(base.ask_probability, again.ask_probability, "the base model after an adapter job");
+    Ok(())
+}
+
+#[test]
+fn chat_streams_the_final_text_and_honours_limits() -> anyhow::Result<()> {
+    let mut b = backend(false)?;
+    let job = ChatJob {
+        messages: vec![ChatMessage {
+            role: ChatRole::User,
+            parts: vec![ChatPart::Image(screenshot(120, 90)), ChatPart::Text("What is on the screen?".into())],
+        }],
+        max_tokens: 12,
+        temperature: 0.8,
+        top_p: 0.9,
+        seed: Some(5),
+        stop: vec![],
+    };
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let out = b.chat(&job, Some(&tx), NEVER)?;
+    drop(tx);
+    let mut pieces = vec![];
+    while let Ok(p) = rx.try_recv() {
+        pieces.push(p);
+    }
+    assert_eq!(pieces.concat(), out.text, "streamed pieces {pieces:?}");
+    assert!(out.completion_tokens <= 12);
+    if out.finish_reason == FinishReason::Length {
+        assert_eq!(out.completion_tokens, 12);
+    }
+    // A stop string ends the text before it.
+    if let Some(c) = out.text.chars().nth(2) {
+        let stopped = b.chat(&ChatJob { stop: vec![c.to_string()], ..job.clone() }, None, NEVER)?;
+        assert!(!stopped.text.contains(c), "{:?} still holds the stop string {c:?}", stopped.text);
+        assert_eq!(stopped.finish_reason, FinishReason::Stop);
+    }
+    // Cancelled before it starts.
+    let cancelled = b.chat(&job, None, &|| true);
+    assert!(matches!(cancelled, Err(askgui_serve::backend::BackendError::Cancelled)));
+    Ok(())
+}
+
+/// A prompt longer than the context is refused with the sizes, before any compute.
+#[test]
+fn over_long_prompts_are_refused() -> anyhow::Result<()> {
+    let mut b = backend(false)?;
+    let opts = StepOptions { max_tokens: Some(40_000), ..Default::default() };
+    match b.step(&step_job("Buy milk", opts), NEVER) {
+        Err(askgui_serve::backend::BackendError::ContextOverflow { tokens, limit }) => {
+            assert!(tokens > limit && limit == 32768)
+        }
+        other => panic!("expected a context overflow, got {other:?}"),
+    }
+    Ok(())
+}
