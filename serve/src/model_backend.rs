@@ -20,6 +20,7 @@
 //! Chat completions run the prompt through the Qwen chat template and decode freely, streaming text
 //! pieces as they are decoded.
 //!
+//! Preprocessed screenshots and their vision-tower outputs are cached by content hash (and adapter).
 //! Jobs of a batch run one after another (batch 1 per forward): batched prefill/decode across jobs and
 //! KV-prefix reuse across a session's steps are not done yet.
 
@@ -74,6 +75,9 @@ pub struct ModelBackend {
     /// and is not a special token.
     string_token: Vec<bool>,
     images: HashMap<u64, ProcessedImage>,
+    /// Vision-tower outputs `(tokens, H)` by (content hash, adapter): the same screenshot sent again
+    /// (every step of a session that did not change the screen) is encoded once.
+    features: HashMap<(u64, Option<String>), Tensor>,
 }
 
 fn model_err(e: ModelError) -> BackendError {
@@ -132,7 +136,8 @@ impl ModelBackend {
             adapters,
             context_length: model.cfg.text.max_position_embeddings,
         };
-        Ok(Self { model, tokenizer, stop_tokens, info, digit_token, string_token, images: HashMap::new() })
+        let (images, features) = (HashMap::new(), HashMap::new());
+        Ok(Self { model, tokenizer, stop_tokens, info, digit_token, string_token, images, features })
     }
 
     fn use_adapter(&mut self, adapter: Option<&str>) -> Result<(), BackendError> {
@@ -164,6 +169,33 @@ impl ModelBackend {
         Ok(p)
     }
 
+    /// The vision tower's output for the images, in order, each cached by (hash, active adapter). Each
+    /// image attends only to itself, so encoding them one by one equals encoding them together.
+    fn image_features(&mut self, images: &[(u64, ProcessedImage)]) -> Result<Option<Tensor>, BackendError> {
+        if images.is_empty() {
+            return Ok(None);
+        }
+        let adapter = self.model.active_adapter().map(String::from);
+        let mut parts = Vec::with_capacity(images.len());
+        for (hash, img) in images {
+            let key = (*hash, adapter.clone());
+            let f = match self.features.get(&key) {
+                Some(f) => f.clone(),
+                None => {
+                    let pv = img.pixel_tensor(&self.model.device).map_err(model_err)?;
+                    let f = self.model.image_features(&pv, &[img.grid_thw]).map_err(model_err)?;
+                    if self.features.len() >= IMAGE_CACHE {
+                        self.features.clear();
+                    }
+                    self.features.insert(key, f.clone());
+                    f
+                }
+            };
+            parts.push(f);
+        }
+        Ok(Some(Tensor::cat(&parts, 0).map_err(candle_err)?))
+    }
+
     fn check_context(&self, prompt: usize, answer: usize) -> Result<(), BackendError> {
         let limit = self.info.context_length;
         if prompt + answer > limit {
@@ -176,7 +208,8 @@ impl ModelBackend {
     pub fn step(&mut self, job: &StepJob, cancelled: &dyn Fn() -> bool) -> Result<AgentStepResponse, BackendError> {
         let t_start = Instant::now();
         let req: &AgentStepRequest = &job.request;
-        let images: Vec<ProcessedImage> = job.screenshot.iter().map(|s| self.processed(s)).collect::<Result<_, _>>()?;
+        let images: Vec<(u64, ProcessedImage)> =
+            job.screenshot.iter().map(|s| Ok((s.hash, self.processed(s)?))).collect::<Result<_, BackendError>>()?;
         let screen = match (&req.observation.screen, &job.screenshot) {
             (Some(s), _) => (s.width, s.height),
             (None, Some(img)) => (img.image.width(), img.image.height()),
@@ -187,7 +220,7 @@ impl ModelBackend {
         let ic = &self.model.image_config;
         let cfg = PromptConfig { min_pixels: ic.min_pixels, max_pixels: ic.max_pixels, ..PromptConfig::default() };
         let mut frame = cfg.frame_map(screen.0, screen.1).map_err(|e| BackendError::BadInput(e.to_string()))?;
-        if let (FrameKind::Resized, Some(p)) = (frame.kind, images.first()) {
+        if let (FrameKind::Resized, Some((_, p))) = (frame.kind, images.first()) {
             frame.model = (p.resized.0 as u32, p.resized.1 as u32);
         }
         let shots: Vec<PathBuf> = images.iter().map(|_| PathBuf::from("screenshot")).collect();
@@ -200,7 +233,7 @@ impl ModelBackend {
         };
         let rendered = render_chatml(&step_messages(&ctx), true);
         let merge = ic.geometry.merge_size;
-        let counts: Vec<usize> = images.iter().map(|i| i.num_tokens(merge)).collect();
+        let counts: Vec<usize> = images.iter().map(|(_, i)| i.num_tokens(merge)).collect();
         let mut ids = self.tokenizer.encode_prompt(&rendered.text, &counts).map_err(model_err)?;
         let prefix = self.tokenizer.encode("{\"action\":\"").map_err(model_err)?;
         ids.extend(&prefix);
@@ -209,7 +242,9 @@ impl ModelBackend {
         let preprocess_ms = t_start.elapsed().as_secs_f64() * 1e3;
 
         let t0 = Instant::now();
-        let mut seq = Seq::prefill(&self.model, &ids, &images)?;
+        let feats = self.image_features(&images)?;
+        let grids: Vec<[usize; 3]> = images.iter().map(|(_, i)| i.grid_thw).collect();
+        let mut seq = Seq::prefill(&self.model, &ids, &grids, feats.as_ref())?;
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         let t0 = Instant::now();
         // The exact distribution over action names: log p of each name's closing `name"` tokens.
@@ -430,7 +465,7 @@ impl ModelBackend {
                 match p {
                     ChatPart::Text(t) => content.push(Content::Text(t.clone())),
                     ChatPart::Image(img) => {
-                        images.push(self.processed(img)?);
+                        images.push((img.hash, self.processed(img)?));
                         content.push(Content::Image);
                     }
                 }
@@ -439,10 +474,12 @@ impl ModelBackend {
         }
         let text = render_chat(&messages, true);
         let merge = self.model.image_config.geometry.merge_size;
-        let counts: Vec<usize> = images.iter().map(|i| i.num_tokens(merge)).collect();
+        let counts: Vec<usize> = images.iter().map(|(_, i)| i.num_tokens(merge)).collect();
         let ids = self.tokenizer.encode_prompt(&text, &counts).map_err(model_err)?;
         self.check_context(ids.len(), job.max_tokens)?;
-        let seq = Seq::prefill(&self.model, &ids, &images)?;
+        let feats = self.image_features(&images)?;
+        let grids: Vec<[usize; 3]> = images.iter().map(|(_, i)| i.grid_thw).collect();
+        let seq = Seq::prefill(&self.model, &ids, &grids, feats.as_ref())?;
         let rng = StdRng::seed_from_u64(job.seed.unwrap_or(0));
         let mut dec =
             Decoding { seq, temperature: job.temperature, rng, budget: job.max_tokens, generated: 0, cancelled };
@@ -619,21 +656,18 @@ struct Seq {
 }
 
 impl Seq {
-    fn prefill(model: &Qwen2Vl, ids: &[u32], images: &[ProcessedImage]) -> Result<Self, BackendError> {
+    /// Prefills `ids` whose images have `grids` and vision features `feats`.
+    fn prefill(
+        model: &Qwen2Vl,
+        ids: &[u32],
+        grids: &[[usize; 3]],
+        feats: Option<&Tensor>,
+    ) -> Result<Self, BackendError> {
         let dev = &model.device;
-        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
-        let feats = if images.is_empty() {
-            None
-        } else {
-            let pv: Vec<Tensor> =
-                images.iter().map(|i| i.pixel_tensor(dev)).collect::<Result<_, _>>().map_err(model_err)?;
-            let pv = Tensor::cat(&pv, 0).map_err(candle_err)?;
-            Some(model.image_features(&pv, &grids).map_err(model_err)?)
-        };
         let t = ids.len();
         let ids_t = Tensor::from_slice(ids, (1, t), dev).map_err(candle_err)?;
-        let embeds = model.embed(&ids_t, feats.as_ref()).map_err(model_err)?;
-        let (pos, next) = mrope_positions(ids, &grids, &model.cfg).map_err(model_err)?;
+        let embeds = model.embed(&ids_t, feats).map_err(model_err)?;
+        let (pos, next) = mrope_positions(ids, grids, &model.cfg).map_err(model_err)?;
         let mut cache = model.new_cache();
         let hidden = model
             .decode(&embeds, &positions_tensor(&[pos], t).map_err(model_err)?, None, &mut cache)
