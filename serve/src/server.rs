@@ -75,7 +75,7 @@ async fn require_key(
                 None => "missing API key: send `Authorization: Bearer <key>`",
                 Some(_) => "wrong API key",
             };
-            let mut res = HttpError::new(StatusCode::UNAUTHORIZED, msg).error_response();
+            let mut res = HttpError::new(StatusCode::UNAUTHORIZED, msg).with_code("invalid_api_key").error_response();
             res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             return Ok(req.into_response(res));
         }
