@@ -34,14 +34,15 @@ pub fn check_adapter(info: &BackendInfo, name: Option<&str>) -> Result<(), HttpE
     }
 }
 
-/// A token budget: the server default when absent, never more than the model's context.
+/// A token budget: the server default when absent (cut to the model's context), else the request's, which
+/// must fit the context.
 pub fn check_max_tokens(
     requested: Option<usize>,
     default: usize,
     info: &BackendInfo,
     field: &str,
 ) -> Result<usize, HttpError> {
-    let n = requested.unwrap_or(default);
+    let Some(n) = requested else { return Ok(default.min(info.context_length).max(1)) };
     if n == 0 {
         return Err(HttpError::bad_request(format!("{field}: must be at least 1")));
     }

@@ -129,6 +129,21 @@ fn sessions_are_capped_and_steps_on_one_session_do_not_overlap() {
     server.stop();
 }
 
+#[test]
+fn an_idle_session_expires() {
+    let mut cfg = config();
+    cfg.session_ttl = 1;
+    let (server, _) = serve_with(cfg);
+    let r = post(&server.url("/v1/sessions"), &json!({"task": "t"}));
+    assert_eq!(r.json()["expires_in"], 1);
+    let session = server.url(&format!("/v1/sessions/{}", r.json()["id"].as_str().unwrap()));
+    assert_eq!(get(&session).status, 200);
+    std::thread::sleep(Duration::from_millis(1300));
+    assert_eq!(get(&session).status, 404);
+    assert_eq!(get(&server.url("/health")).json()["live_sessions"], 0);
+    server.stop();
+}
+
 fn sse_events(body: &str) -> Vec<String> {
     body.split("\n\n")
         .filter(|e| !e.trim().is_empty())
