@@ -1,7 +1,36 @@
 //! askgui-serve: the next GUI action over HTTP.
 //!
-//! Layers (ARCHITECTURE.md, "Serving"): actix-web handlers -> the engine (a bounded queue and one backend
-//! thread) -> a [`backend::Backend`] that owns the model ([`model_backend::ModelBackend`]).
+//! Layers (ARCHITECTURE.md, "Serving"): actix-web handlers ([`agent_routes`], [`openai`], [`server`]) ->
+//! the engine ([`engine`]: a bounded queue and one backend thread) -> a [`backend::Backend`] that owns the
+//! model ([`model_backend::ModelBackend`]; [`stub::StubBackend`] in tests). Handlers parse and check
+//! requests and decode images ([`images`]); they never touch tensors. Errors map to statuses in
+//! [`error`]; sessions live in [`sessions`]; Prometheus metrics in [`metrics`].
+//!
+//! To run a server on a free port with some backend (what the tests do):
+//!
+//! ```no_run
+//! use askgui_serve::{config::Config, server, stub::StubBackend};
+//! let mut config = Config::for_model("stub-model");
+//! config.port = 0;
+//! let handle = server::start(config, Box::new(|| Ok(Box::new(StubBackend::new("stub-model", &[])) as _))).unwrap();
+//! println!("{}", handle.url("/health"));
+//! handle.stop();
+//! ```
 
+pub mod agent_routes;
 pub mod backend;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod images;
+pub mod metrics;
 pub mod model_backend;
+pub mod openai;
+pub mod predict;
+pub mod server;
+pub mod sessions;
+pub mod stub;
+
+pub use config::{Cli, Command, Config, PredictArgs};
+pub use engine::{BackendFactory, BoxError, Engine, LoadState};
+pub use server::{run, start, ServerHandle};

@@ -1,6 +1,53 @@
-//! `askgui-serve`: the server binary (being built; see the crate docs).
+//! `askgui-serve`: parses the command line and hands over to the library (`server::run`, `predict`).
+//!
+//! The one thing decided here is which backend to load: [`load_backend`] builds it from the settings, on
+//! the backend thread for the server and directly for `predict`.
 
-fn main() {
-    eprintln!("askgui-serve: the server is not built yet");
-    std::process::exit(2);
+use anyhow::Context;
+use askgui_serve::backend::Backend;
+use askgui_serve::stub::StubBackend;
+use askgui_serve::{BoxError, Cli, Command, Config};
+use clap::Parser;
+
+/// The backend for these settings: the deterministic stub with `--stub`, else the model.
+fn load_backend(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
+    if cfg.stub {
+        let names: Vec<&str> = cfg.adapters.iter().map(|a| a.name.as_str()).collect();
+        tracing::warn!("serving the stub backend: its answers are fixed rules, not a model");
+        return Ok(Box::new(StubBackend::new(&cfg.model, &names)));
+    }
+    load_model(cfg)
+}
+
+/// The model backend (`model_backend::ModelBackend`), once it exists on this branch.
+fn load_model(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
+    Err(format!("the model backend is not built into this binary yet (model `{}`); use --stub", cfg.model).into())
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,actix_server=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Predict(args)) => {
+            let cfg = args.config();
+            let mut backend = load_backend(&cfg).map_err(|e| anyhow::anyhow!(e)).context("loading the backend")?;
+            let resp = askgui_serve::predict::predict(backend.as_mut(), &args)?;
+            println!("{}", serde_json::to_string_pretty(&resp)?);
+            Ok(())
+        }
+        None => {
+            let cfg = cli.serve;
+            cfg.check().map_err(anyhow::Error::msg)?;
+            let for_thread = cfg.clone();
+            let factory: askgui_serve::BackendFactory = Box::new(move || load_backend(&for_thread));
+            actix_web::rt::System::new()
+                .block_on(askgui_serve::run(cfg, factory))
+                .context("the server stopped with an error")
+        }
+    }
 }

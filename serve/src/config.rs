@@ -1,0 +1,247 @@
+//! The server's settings: command-line flags, each also readable from an `ASKGUI_SERVE_*` environment
+//! variable (clap `env`), so a container can be configured without a command line.
+//!
+//! The same struct is serialised (serde) into the log line written at start, with the API key redacted,
+//! so a log always says what the server was running with. `predict` is a subcommand for one step without
+//! a server (a smoke test of a checkpoint).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use serde::{Serialize, Serializer};
+
+/// The command line of `askgui-serve`.
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "askgui-serve",
+    version,
+    about = "askgui's inference server: the next GUI action over HTTP",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub serve: Config,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum Command {
+    /// Load the model and answer one step for a screenshot, with no server; prints the JSON answer.
+    Predict(PredictArgs),
+}
+
+/// A LoRA adapter to load, `NAME=DIR`: requests pick it by `NAME`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AdapterArg {
+    pub name: String,
+    pub dir: PathBuf,
+}
+
+/// Parses `NAME=DIR`. Names are what clients send in `adapter` and `model`, so they are kept to letters,
+/// digits and `-_.:` (no slashes, no spaces).
+pub fn parse_adapter(s: &str) -> Result<AdapterArg, String> {
+    let Some((name, dir)) = s.split_once('=') else {
+        return Err(format!("`{s}` is not NAME=DIR (e.g. navi-lora=/models/navi-lora)"));
+    };
+    let name = name.trim();
+    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {
+        return Err(format!("adapter name `{name}`: use letters, digits and - _ . : only"));
+    }
+    if dir.trim().is_empty() {
+        return Err(format!("adapter `{name}` has an empty directory"));
+    }
+    Ok(AdapterArg { name: name.to_string(), dir: PathBuf::from(dir.trim()) })
+}
+
+fn redact<S: Serializer>(key: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    match key {
+        Some(_) => s.serialize_str("<redacted>"),
+        None => s.serialize_none(),
+    }
+}
+
+/// Everything the server runs with.
+#[derive(Args, Debug, Clone, Serialize)]
+pub struct Config {
+    /// The base model: a local checkpoint directory or a hub id (required to serve).
+    // Not `required`: clap would then demand it before `predict` too; `check` enforces it.
+    #[arg(long, env = "ASKGUI_SERVE_MODEL", default_value = "")]
+    pub model: String,
+    /// A LoRA adapter, NAME=DIR (repeat the flag; comma-separated in the environment variable).
+    #[arg(long = "adapter", env = "ASKGUI_SERVE_ADAPTERS", value_delimiter = ',', value_parser = parse_adapter)]
+    pub adapters: Vec<AdapterArg>,
+    #[arg(long, env = "ASKGUI_SERVE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, env = "ASKGUI_SERVE_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// When set, every endpoint but /health and /metrics needs `Authorization: Bearer KEY`.
+    #[arg(long, env = "ASKGUI_SERVE_API_KEY", hide_env_values = true)]
+    #[serde(serialize_with = "redact")]
+    pub api_key: Option<String>,
+    /// The most jobs the backend runs together.
+    #[arg(long, env = "ASKGUI_SERVE_MAX_BATCH", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_batch: u32,
+    /// Jobs waiting for the backend beyond this are refused with 429.
+    #[arg(long, env = "ASKGUI_SERVE_MAX_QUEUE", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_queue: u32,
+    /// Images with more pixels (width x height, read from the header before decoding) are refused.
+    #[arg(long, env = "ASKGUI_SERVE_MAX_IMAGE_PIXELS", default_value_t = 16_777_216)]
+    pub max_image_pixels: u64,
+    /// A session is forgotten after this many idle seconds.
+    #[arg(long, env = "ASKGUI_SERVE_SESSION_TTL", default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
+    pub session_ttl: u64,
+    /// The most live sessions; creating one more is refused with 429.
+    #[arg(long, env = "ASKGUI_SERVE_MAX_SESSIONS", default_value_t = 1024)]
+    pub max_sessions: usize,
+    /// The largest request body (JSON with base64 images), in bytes; larger bodies get 413.
+    #[arg(long, env = "ASKGUI_SERVE_MAX_BODY_BYTES", default_value_t = 33_554_432)]
+    pub max_body_bytes: usize,
+    /// The answer length, in tokens, when a request does not say.
+    #[arg(long, env = "ASKGUI_SERVE_MAX_TOKENS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tokens: u32,
+    /// HTTP worker threads (0: one per CPU core). Workers only parse and wait; the model has its own thread.
+    #[arg(long, env = "ASKGUI_SERVE_WORKERS", default_value_t = 0)]
+    pub workers: usize,
+    /// Serve the deterministic stub backend instead of a model (front-end development, smoke tests).
+    #[arg(long, env = "ASKGUI_SERVE_STUB", hide = true)]
+    pub stub: bool,
+}
+
+impl Config {
+    /// The defaults of every flag, for `model` (tests and `predict`).
+    pub fn for_model(model: impl Into<String>) -> Self {
+        let mut cfg = Cli::parse_from(["askgui-serve", "--model", "x"]).serve;
+        cfg.model = model.into();
+        cfg
+    }
+
+    /// What clap cannot check: a model, distinct adapter names, usable limits.
+    pub fn check(&self) -> Result<(), String> {
+        if self.model.trim().is_empty() {
+            return Err("--model (or ASKGUI_SERVE_MODEL) is required: a checkpoint directory or a hub id".into());
+        }
+        for (i, a) in self.adapters.iter().enumerate() {
+            if self.adapters[..i].iter().any(|b| b.name == a.name) {
+                return Err(format!("adapter `{}` is given twice", a.name));
+            }
+            if a.name == self.model {
+                return Err(format!("adapter `{}` has the base model's name", a.name));
+            }
+        }
+        if self.max_image_pixels == 0 {
+            return Err("--max-image-pixels must be at least 1".into());
+        }
+        if self.max_body_bytes < 1024 {
+            return Err(format!(
+                "--max-body-bytes {} is too small for any request (at least 1024)",
+                self.max_body_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// The settings as one JSON line, the API key redacted.
+    pub fn to_log_line(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|e| format!("<config not serialisable: {e}>"))
+    }
+}
+
+/// `askgui-serve predict`.
+#[derive(Args, Debug, Clone)]
+pub struct PredictArgs {
+    /// The base model: a local checkpoint directory or a hub id.
+    #[arg(long, env = "ASKGUI_SERVE_MODEL")]
+    pub model: String,
+    /// The screenshot (PNG or JPEG).
+    #[arg(long)]
+    pub image: PathBuf,
+    /// The task, as a user would give it.
+    #[arg(long)]
+    pub task: String,
+    /// A LoRA adapter directory to answer with.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// The longest answer, in tokens.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: u32,
+    /// Serve the deterministic stub backend instead of a model.
+    #[arg(long, hide = true)]
+    pub stub: bool,
+}
+
+impl PredictArgs {
+    /// The adapter's name: its directory's last component.
+    pub fn adapter_name(&self) -> Option<String> {
+        let dir = self.adapter.as_ref()?;
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "adapter".into());
+        Some(name)
+    }
+
+    /// The server settings a backend is loaded with for this one step.
+    pub fn config(&self) -> Config {
+        let mut cfg = Config::for_model(self.model.clone());
+        cfg.adapters = match (self.adapter_name(), &self.adapter) {
+            (Some(name), Some(dir)) => vec![AdapterArg { name, dir: dir.clone() }],
+            _ => vec![],
+        };
+        cfg.max_batch = 1;
+        cfg.max_tokens = self.max_tokens;
+        cfg.stub = self.stub;
+        cfg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_parse_with_defaults_and_adapters() {
+        let cli = Cli::parse_from([
+            "askgui-serve",
+            "--model",
+            "m",
+            "--adapter",
+            "a=/x/a",
+            "--adapter",
+            "b=rel/b",
+            "--api-key",
+            "secret",
+            "--port",
+            "0",
+        ]);
+        assert!(cli.command.is_none());
+        let c = cli.serve;
+        assert_eq!(c.model, "m");
+        assert_eq!(c.adapters.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!((c.port, c.max_batch, c.max_queue, c.max_tokens), (0, 8, 64, 256));
+        assert_eq!((c.max_image_pixels, c.session_ttl, c.max_sessions), (16_777_216, 1800, 1024));
+        assert_eq!(c.max_body_bytes, 33_554_432);
+        let line = c.to_log_line();
+        assert!(line.contains("<redacted>") && !line.contains("secret"), "{line}");
+    }
+
+    #[test]
+    fn predict_needs_no_server_flags() {
+        let cli = Cli::parse_from(["askgui-serve", "predict", "--model", "m", "--image", "s.png", "--task", "t"]);
+        let Some(Command::Predict(p)) = cli.command else { panic!("not predict") };
+        assert_eq!((p.model.as_str(), p.task.as_str()), ("m", "t"));
+        let p = PredictArgs { adapter: Some("/a/navi-lora".into()), ..p };
+        assert_eq!(p.config().adapters[0].name, "navi-lora");
+    }
+
+    #[test]
+    fn bad_adapters_and_zero_limits_are_refused() {
+        assert!(parse_adapter("noequals").is_err());
+        assert!(parse_adapter("../x=/d").is_err());
+        assert!(parse_adapter("a b=/d").is_err());
+        assert!(parse_adapter("a=").is_err());
+        assert_eq!(parse_adapter("a=/d").unwrap().dir, PathBuf::from("/d"));
+        assert!(Cli::try_parse_from(["askgui-serve", "--model", "m", "--max-batch", "0"]).is_err());
+        assert!(Cli::parse_from(["askgui-serve"]).serve.check().is_err(), "the model is required");
+        assert!(Cli::parse_from(["askgui-serve", "--model", "m", "--adapter", "a=x,a=y"]).serve.check().is_err());
+        assert_eq!(Cli::parse_from(["askgui-serve", "--model", "m"]).serve.check(), Ok(()));
+    }
+}

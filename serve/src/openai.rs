@@ -1,0 +1,412 @@
+//! The OpenAI-compatible surface: `POST /v1/chat/completions` (plain and streamed) and `GET /v1/models`,
+//! which is what UI-TARS-desktop, Midscene and most agent frameworks call.
+//!
+//! `model` is the base model's id or an adapter's name (anything else: 404 `model_not_found`, as OpenAI
+//! answers). Images come as `image_url` parts holding `data:` URLs; the server fetches nothing. Unknown
+//! request fields are ignored, so newer clients keep working. A streamed answer waits for the model's
+//! first piece (or its failure) before sending the 200, so a prompt over the context is still a clean
+//! 400; after that, a failure is reported as an `error` event in the stream.
+//! Reference: <https://platform.openai.com/docs/api-reference/chat>.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use actix_web::{web, HttpResponse};
+use rand::Rng;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::agent_routes::{check_max_tokens, decode_image};
+use crate::backend::{
+    BackendError, BackendInfo, ChatJob, ChatMessage, ChatOutput, ChatPart, ChatRole, FinishReason, JobKind, JobOutput,
+};
+use crate::engine::{CallError, CancelGuard};
+use crate::error::HttpError;
+use crate::server::AppState;
+
+/// The most stop strings a request may give (OpenAI allows 4).
+const MAX_STOP: usize = 16;
+
+#[derive(Deserialize, Debug)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<InMessage>,
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    /// OpenAI's newer name for `max_tokens`; wins when both are given.
+    #[serde(default)]
+    pub max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub n: Option<u64>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize, Debug, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// A message as sent: `content` is a string, an array of parts, or null; checked by hand for messages
+/// that say which message and part is wrong.
+#[derive(Deserialize, Debug)]
+pub struct InMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Value,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The adapter a `model` names: `None` for the base model.
+fn resolve_model(state: &AppState, info: &BackendInfo, model: &str) -> Result<Option<String>, HttpError> {
+    if model == info.model || model == state.config.model {
+        return Ok(None);
+    }
+    if info.adapters.iter().any(|a| a == model) {
+        return Ok(Some(model.to_string()));
+    }
+    let shown: String = model.chars().take(100).collect();
+    let mut have = vec![info.model.clone()];
+    have.extend(info.adapters.iter().cloned());
+    Err(HttpError::not_found(format!("the model `{shown}` does not exist; this server has: {}", have.join(", ")))
+        .with_code("model_not_found"))
+}
+
+/// The messages, images decoded.
+async fn convert_messages(state: &AppState, messages: Vec<InMessage>) -> Result<Vec<ChatMessage>, HttpError> {
+    if messages.is_empty() {
+        return Err(HttpError::bad_request("messages: empty; send at least one user message"));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.into_iter().enumerate() {
+        let role = match m.role.as_str() {
+            "system" | "developer" => ChatRole::System,
+            "user" => ChatRole::User,
+            "assistant" => ChatRole::Assistant,
+            other => {
+                let shown: String = other.chars().take(40).collect();
+                return Err(HttpError::bad_request(format!(
+                    "messages[{i}].role: `{shown}` is not supported; use system, user or assistant"
+                )));
+            }
+        };
+        let mut parts = Vec::new();
+        match m.content {
+            Value::String(s) => parts.push(ChatPart::Text(s)),
+            Value::Null if role == ChatRole::Assistant => {}
+            Value::Array(items) => {
+                for (j, item) in items.into_iter().enumerate() {
+                    parts.push(convert_part(state, item, i, j).await?);
+                }
+            }
+            _ => {
+                return Err(HttpError::bad_request(format!(
+                    "messages[{i}].content: expected a string or an array of text / image_url parts"
+                )))
+            }
+        }
+        out.push(ChatMessage { role, parts });
+    }
+    if !out.iter().any(|m| m.role == ChatRole::User) {
+        return Err(HttpError::bad_request("messages: no user message"));
+    }
+    Ok(out)
+}
+
+async fn convert_part(state: &AppState, item: Value, i: usize, j: usize) -> Result<ChatPart, HttpError> {
+    let bad = |what: &str| HttpError::bad_request(format!("messages[{i}].content[{j}]: {what}"));
+    let kind = item.get("type").and_then(Value::as_str).ok_or_else(|| bad("a part needs a string `type`"))?;
+    match kind {
+        "text" => {
+            let text = item.get("text").and_then(Value::as_str).ok_or_else(|| bad("a text part needs `text`"))?;
+            Ok(ChatPart::Text(text.to_string()))
+        }
+        "image_url" => {
+            // `{"url": ...}` as OpenAI documents it; a bare string as some clients send it.
+            let url = match item.get("image_url") {
+                Some(Value::String(u)) => u.as_str(),
+                Some(v) => v.get("url").and_then(Value::as_str).ok_or_else(|| bad("`image_url` needs a `url`"))?,
+                None => return Err(bad("an image_url part needs `image_url`")),
+            };
+            let bytes = crate::images::data_url_bytes(url, "image_url.url").map_err(|e| bad(&e.message))?;
+            let image =
+                decode_image(state, bytes, "image_url").await.map_err(|e| match e.status.is_client_error() {
+                    true => bad(&e.message),
+                    false => e,
+                })?;
+            Ok(ChatPart::Image(image))
+        }
+        other => {
+            let shown: String = other.chars().take(40).collect();
+            Err(bad(&format!("part type `{shown}` is not supported; use text or image_url")))
+        }
+    }
+}
+
+fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+fn usage_json(out: &ChatOutput) -> Value {
+    json!({
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+    })
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    state: web::Data<AppState>,
+    body: web::Json<ChatRequest>,
+) -> Result<HttpResponse, HttpError> {
+    let req = body.into_inner();
+    let info = state.engine.info()?;
+    let adapter = resolve_model(&state, &info, &req.model)?;
+    if let Some(n) = req.n {
+        if n != 1 {
+            return Err(HttpError::bad_request(format!("n: {n} choices asked; this server answers n = 1 only")));
+        }
+    }
+    let temperature = req.temperature.unwrap_or(0.0);
+    if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
+        return Err(HttpError::bad_request(format!("temperature: must be in 0..=2, got {temperature}")));
+    }
+    let top_p = req.top_p.unwrap_or(1.0);
+    if !(top_p.is_finite() && top_p > 0.0 && top_p <= 1.0) {
+        return Err(HttpError::bad_request(format!("top_p: must be in (0, 1], got {top_p}")));
+    }
+    let (field, requested) = match (req.max_completion_tokens, req.max_tokens) {
+        (Some(n), _) => ("max_completion_tokens", Some(n)),
+        (None, n) => ("max_tokens", n),
+    };
+    let max_tokens = check_max_tokens(requested, state.config.max_tokens as usize, &info, field)?;
+    let stop = match req.stop {
+        None => vec![],
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if stop.len() > MAX_STOP || stop.iter().any(|s| s.is_empty()) {
+        return Err(HttpError::bad_request(format!("stop: at most {MAX_STOP} non-empty strings")));
+    }
+    let messages = convert_messages(&state, req.messages).await?;
+    let job = ChatJob { messages, max_tokens, temperature, top_p, seed: req.seed.map(|s| s as u64), stop };
+    let meta = Meta {
+        id: format!("chatcmpl-{:024x}", rand::rng().random::<u128>() >> 32),
+        created: unix_now(),
+        model: req.model,
+    };
+    if req.stream.unwrap_or(false) {
+        let include_usage = req.stream_options.unwrap_or_default().include_usage;
+        return stream(&state, job, adapter, meta, include_usage).await;
+    }
+    let out = match state.engine.call(JobKind::Chat(job), adapter).await? {
+        JobOutput::Chat(out) => out,
+        JobOutput::Step(_) => return Err(HttpError::internal("the backend answered a chat with a step")),
+    };
+    state.engine.metrics().tokens(out.prompt_tokens, out.completion_tokens);
+    Ok(HttpResponse::Ok().json(json!({
+        "id": meta.id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": null,
+            "finish_reason": finish_str(out.finish_reason),
+        }],
+        "usage": usage_json(&out),
+    })))
+}
+
+/// What every chunk of one answer repeats.
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Meta {
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> Value {
+        json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        })
+    }
+}
+
+fn sse(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+type Reply = Result<Result<JobOutput, BackendError>, oneshot::error::RecvError>;
+
+/// The state of one streamed answer; dropping it (the client left) cancels the job through `guard`.
+struct Streaming {
+    meta: Meta,
+    pieces: mpsc::UnboundedReceiver<String>,
+    pieces_open: bool,
+    reply: oneshot::Receiver<Result<JobOutput, BackendError>>,
+    outcome: Option<Reply>,
+    guard: CancelGuard,
+    include_usage: bool,
+    state: web::Data<AppState>,
+    /// Events ready to send before anything else (the role chunk, a first piece).
+    queued: String,
+    done: bool,
+}
+
+impl Streaming {
+    /// The final events once the reply is in: pieces still buffered, the finish chunk, usage, `[DONE]`.
+    fn finish(&mut self, outcome: Reply) -> String {
+        let mut out = std::mem::take(&mut self.queued);
+        while let Ok(p) = self.pieces.try_recv() {
+            out += &sse(&self.meta.chunk(json!({"content": p}), None));
+        }
+        self.guard.disarm();
+        self.done = true;
+        let err = match outcome {
+            Ok(Ok(JobOutput::Chat(o))) => {
+                self.state.engine.metrics().tokens(o.prompt_tokens, o.completion_tokens);
+                out += &sse(&self.meta.chunk(json!({}), Some(finish_str(o.finish_reason))));
+                if self.include_usage {
+                    let mut usage = self.meta.chunk(json!({}), None);
+                    usage["choices"] = json!([]);
+                    usage["usage"] = usage_json(&o);
+                    out += &sse(&usage);
+                }
+                out += "data: [DONE]\n\n";
+                return out;
+            }
+            Ok(Ok(JobOutput::Step(_))) => HttpError::internal("the backend answered a chat with a step"),
+            Ok(Err(e)) => HttpError::from(e),
+            Err(_) => HttpError::from(CallError::NoReply),
+        };
+        tracing::warn!(error = %err, "a streamed chat completion failed after its first piece");
+        out + &sse(&err.body())
+    }
+
+    async fn next_bytes(&mut self) -> Option<String> {
+        if self.done {
+            return None;
+        }
+        if let Some(outcome) = self.outcome.take() {
+            return Some(self.finish(outcome));
+        }
+        if !self.queued.is_empty() {
+            return Some(std::mem::take(&mut self.queued));
+        }
+        loop {
+            tokio::select! {
+                biased;
+                p = self.pieces.recv(), if self.pieces_open => match p {
+                    Some(p) => return Some(sse(&self.meta.chunk(json!({"content": p}), None))),
+                    None => self.pieces_open = false,
+                },
+                r = &mut self.reply => return Some(self.finish(r)),
+            }
+        }
+    }
+}
+
+/// A streamed answer: waits for the first piece or the outcome, then sends server-sent events.
+async fn stream(
+    state: &web::Data<AppState>,
+    job: ChatJob,
+    adapter: Option<String>,
+    meta: Meta,
+    include_usage: bool,
+) -> Result<HttpResponse, HttpError> {
+    let pending = state.engine.enqueue(JobKind::Chat(job), adapter, true)?;
+    let Some(pieces) = pending.stream else {
+        return Err(HttpError::internal("no stream channel for a streamed job"));
+    };
+    let role = sse(&meta.chunk(json!({"role": "assistant", "content": ""}), None));
+    let mut st = Streaming {
+        meta,
+        pieces,
+        pieces_open: true,
+        reply: pending.reply,
+        outcome: None,
+        guard: pending.guard,
+        include_usage,
+        state: state.clone(),
+        queued: role,
+        done: false,
+    };
+    // Before the 200: the first piece, or the whole outcome (an error becomes a proper status).
+    loop {
+        tokio::select! {
+            biased;
+            p = st.pieces.recv(), if st.pieces_open => match p {
+                Some(p) => {
+                    st.queued += &sse(&st.meta.chunk(json!({"content": p}), None));
+                    break;
+                }
+                None => st.pieces_open = false,
+            },
+            r = &mut st.reply => {
+                match r {
+                    Ok(Err(e)) => {
+                        st.guard.disarm();
+                        return Err(e.into());
+                    }
+                    Err(_) => {
+                        st.guard.disarm();
+                        return Err(CallError::NoReply.into());
+                    }
+                    ok => st.outcome = Some(ok),
+                }
+                break;
+            }
+        }
+    }
+    let body = futures_util::stream::unfold(st, |mut st| async move {
+        let bytes = st.next_bytes().await?;
+        Some((Ok::<_, Infallible>(web::Bytes::from(bytes)), st))
+    });
+    Ok(HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header(("Cache-Control", "no-cache"))
+        .streaming(body))
+}
+
+/// `GET /v1/models`: the base model and every adapter.
+pub async fn models(state: web::Data<AppState>) -> Result<HttpResponse, HttpError> {
+    let info = state.engine.info()?;
+    let created = state.started;
+    let mut data = vec![json!({"id": info.model, "object": "model", "created": created, "owned_by": "askgui"})];
+    for a in &info.adapters {
+        data.push(json!({"id": a, "object": "model", "created": created, "owned_by": "askgui", "parent": info.model}));
+    }
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
+}

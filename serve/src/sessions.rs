@@ -1,0 +1,264 @@
+//! Server-side ASK/SAY sessions: the server keeps the task and the dialogue so a front end only sends the
+//! current screen, and the user's answer when the agent asked.
+//!
+//! - Ids are 128 random bits from the OS-seeded CSPRNG (`rand::rng()`), as hex: knowing one session id
+//!   tells nothing about another.
+//! - A session expires after `ttl` idle seconds (a step or say renews it). Expired sessions are swept on
+//!   every access to the store and periodically by the server, and answer 404 like unknown ids.
+//! - At most `max` live sessions; creating one more fails (429) until some expire or are deleted.
+//! - Steps on one session are serialised by refusal: while a step is running, another step or a say on
+//!   the same session answers 409. Two concurrent steps would both be predicted from the same history and
+//!   the second answer would be stale, so the client is told rather than queued.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use askgui_data::agent_api::StepOptions;
+use askgui_data::{Action, Turn};
+use rand::Rng;
+use serde::Serialize;
+
+/// One session's state.
+#[derive(Debug, Clone)]
+pub struct Session {
+    pub id: String,
+    pub task: String,
+    pub adapter: Option<String>,
+    pub options: StepOptions,
+    pub history: Vec<Turn>,
+    /// Unix seconds.
+    pub created: u64,
+    last_used: Instant,
+    busy: bool,
+}
+
+impl Session {
+    /// The agent's last turn was an `ask` not yet answered.
+    pub fn waiting_for_answer(&self) -> bool {
+        matches!(self.history.last(), Some(Turn::Agent { action: Action::Ask(_) }))
+    }
+}
+
+/// `GET /v1/sessions/{id}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionView {
+    pub id: String,
+    pub task: String,
+    pub adapter: Option<String>,
+    pub history: Vec<Turn>,
+    pub waiting_for_answer: bool,
+    /// Unix seconds.
+    pub created: u64,
+    /// Seconds until the session expires if left idle.
+    pub expires_in: u64,
+}
+
+/// Why a session operation failed (mapped to 404 / 409 / 429 by the handlers).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SessionError {
+    #[error("no session `{0}` (unknown, deleted, or expired after being idle too long)")]
+    NotFound(String),
+    #[error("session `{0}` has a step in progress; wait for its answer")]
+    Busy(String),
+    #[error("session `{0}` is not waiting for an answer: its last action was not an ask")]
+    NotWaiting(String),
+    #[error("{0} sessions are live, the most this server keeps (--max-sessions); delete finished ones")]
+    Full(usize),
+}
+
+/// The live sessions.
+pub struct SessionStore {
+    map: Mutex<HashMap<String, Session>>,
+    ttl: Duration,
+    max: usize,
+}
+
+/// Marks a session busy while a step runs; clears the mark when dropped (also when the client leaves).
+pub struct StepLease<'a> {
+    store: &'a SessionStore,
+    id: String,
+}
+
+impl Drop for StepLease<'_> {
+    fn drop(&mut self) {
+        let mut map = self.store.lock();
+        if let Some(s) = map.get_mut(&self.id) {
+            s.busy = false;
+            s.last_used = Instant::now();
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+impl SessionStore {
+    pub fn new(ttl: Duration, max: usize) -> Self {
+        Self { map: Mutex::default(), ttl, max }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn sweep_locked(&self, map: &mut HashMap<String, Session>) {
+        let ttl = self.ttl;
+        map.retain(|_, s| s.busy || s.last_used.elapsed() <= ttl);
+    }
+
+    /// Drops expired sessions; returns how many are left.
+    pub fn sweep(&self) -> usize {
+        let mut map = self.lock();
+        self.sweep_locked(&mut map);
+        map.len()
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    fn expires_in(&self, s: &Session) -> u64 {
+        self.ttl.saturating_sub(s.last_used.elapsed()).as_secs()
+    }
+
+    /// A new session; its id.
+    pub fn create(&self, task: String, adapter: Option<String>, options: StepOptions) -> Result<String, SessionError> {
+        let mut map = self.lock();
+        self.sweep_locked(&mut map);
+        if map.len() >= self.max {
+            return Err(SessionError::Full(map.len()));
+        }
+        let id = format!("{:032x}", rand::rng().random::<u128>());
+        let session = Session {
+            id: id.clone(),
+            task,
+            adapter,
+            options,
+            history: Vec::new(),
+            created: unix_now(),
+            last_used: Instant::now(),
+            busy: false,
+        };
+        map.insert(id.clone(), session);
+        Ok(id)
+    }
+
+    /// What a client sees of a session.
+    pub fn view(&self, id: &str) -> Result<SessionView, SessionError> {
+        let mut map = self.lock();
+        self.sweep_locked(&mut map);
+        let s = map.get(id).ok_or_else(|| SessionError::NotFound(id.to_string()))?;
+        Ok(SessionView {
+            id: s.id.clone(),
+            task: s.task.clone(),
+            adapter: s.adapter.clone(),
+            history: s.history.clone(),
+            waiting_for_answer: s.waiting_for_answer(),
+            created: s.created,
+            expires_in: self.expires_in(s),
+        })
+    }
+
+    pub fn delete(&self, id: &str) -> Result<(), SessionError> {
+        let mut map = self.lock();
+        self.sweep_locked(&mut map);
+        map.remove(id).map(|_| ()).ok_or_else(|| SessionError::NotFound(id.to_string()))
+    }
+
+    /// Starts a step: marks the session busy and returns a copy of it to build the request from.
+    pub fn begin_step(&self, id: &str) -> Result<(Session, StepLease<'_>), SessionError> {
+        let mut map = self.lock();
+        self.sweep_locked(&mut map);
+        let s = map.get_mut(id).ok_or_else(|| SessionError::NotFound(id.to_string()))?;
+        if s.busy {
+            return Err(SessionError::Busy(id.to_string()));
+        }
+        s.busy = true;
+        s.last_used = Instant::now();
+        Ok((s.clone(), StepLease { store: self, id: id.to_string() }))
+    }
+
+    /// Ends a step with the agent's action appended (a session deleted meanwhile is left deleted).
+    pub fn finish_step(&self, lease: StepLease<'_>, action: Action) {
+        if let Some(s) = self.lock().get_mut(&lease.id) {
+            s.history.push(Turn::Agent { action });
+        }
+        drop(lease);
+    }
+
+    /// Appends the user's answer to the agent's pending `ask`.
+    pub fn say(&self, id: &str, text: String) -> Result<SessionView, SessionError> {
+        {
+            let mut map = self.lock();
+            self.sweep_locked(&mut map);
+            let s = map.get_mut(id).ok_or_else(|| SessionError::NotFound(id.to_string()))?;
+            if s.busy {
+                return Err(SessionError::Busy(id.to_string()));
+            }
+            if !s.waiting_for_answer() {
+                return Err(SessionError::NotWaiting(id.to_string()));
+            }
+            s.history.push(Turn::Say { text });
+            s.last_used = Instant::now();
+        }
+        self.view(id)
+    }
+
+    /// Live sessions (after a sweep).
+    pub fn len(&self) -> usize {
+        self.sweep()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use askgui_data::{Ask, Target};
+
+    fn ask() -> Action {
+        Action::Ask(Ask { question: "Which?".into(), options: vec![], kind: None })
+    }
+
+    #[test]
+    fn ask_say_step_and_busy() {
+        let store = SessionStore::new(Duration::from_secs(60), 2);
+        let id = store.create("t".into(), None, StepOptions::default()).unwrap();
+        assert_eq!(id.len(), 32);
+        assert_ne!(id, store.create("t".into(), None, StepOptions::default()).unwrap());
+        assert_eq!(store.create("t".into(), None, StepOptions::default()), Err(SessionError::Full(2)));
+        assert_eq!(store.say(&id, "x".into()).unwrap_err(), SessionError::NotWaiting(id.clone()));
+
+        let (_, lease) = store.begin_step(&id).unwrap();
+        assert!(matches!(store.begin_step(&id), Err(SessionError::Busy(_))));
+        store.finish_step(lease, ask());
+        assert!(store.view(&id).unwrap().waiting_for_answer);
+        let v = store.say(&id, "Lime".into()).unwrap();
+        assert!(!v.waiting_for_answer && v.history.len() == 2);
+
+        // A lease dropped without an action (the client left) frees the session unchanged.
+        drop(store.begin_step(&id).unwrap());
+        let (s, lease) = store.begin_step(&id).unwrap();
+        assert_eq!(s.history.len(), 2);
+        store.finish_step(lease, Action::Click(Target::point(1, 2)));
+        assert_eq!(store.view(&id).unwrap().history.len(), 3);
+        store.delete(&id).unwrap();
+        assert!(matches!(store.view(&id), Err(SessionError::NotFound(_))));
+        assert!(matches!(store.delete(&id), Err(SessionError::NotFound(_))));
+    }
+
+    #[test]
+    fn idle_sessions_expire() {
+        let store = SessionStore::new(Duration::from_millis(30), 10);
+        let id = store.create("t".into(), None, StepOptions::default()).unwrap();
+        assert_eq!(store.len(), 1);
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(store.len(), 0);
+        assert!(matches!(store.begin_step(&id), Err(SessionError::NotFound(_))));
+    }
+}
