@@ -5,6 +5,7 @@
 
 use anyhow::Context;
 use askgui_serve::backend::Backend;
+use askgui_serve::model_backend::{ModelBackend, ModelBackendConfig};
 use askgui_serve::stub::StubBackend;
 use askgui_serve::{BoxError, Cli, Command, Config};
 use clap::Parser;
@@ -19,9 +20,14 @@ fn load_backend(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
     load_model(cfg)
 }
 
-/// The model backend (`model_backend::ModelBackend`), once it exists on this branch.
+/// The model backend: the checkpoint and its adapters, on the CPU.
 fn load_model(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
-    Err(format!("the model backend is not built into this binary yet (model `{}`); use --stub", cfg.model).into())
+    let mb = ModelBackendConfig {
+        model: cfg.model.clone(),
+        adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
+        max_batch: cfg.max_batch as usize,
+    };
+    Ok(Box::new(ModelBackend::load(&mb)?))
 }
 
 fn main() -> anyhow::Result<()> {
