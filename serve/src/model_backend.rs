@@ -61,8 +61,36 @@ pub struct ModelBackendConfig {
 const DEFAULT_STEP_TOKENS: usize = 128;
 /// Longest integer a constrained answer may write (coordinates, seconds).
 const MAX_INT_DIGITS: usize = 6;
-/// Preprocessed screenshots kept by content hash.
-const IMAGE_CACHE: usize = 64;
+/// Bytes of preprocessed screenshots, and of vision features, kept by content hash (each cache).
+const CACHE_BYTES: usize = 256 << 20;
+
+/// A map bounded in bytes: when an insert would go over the budget it starts again empty (screens of a
+/// session repeat back to back, so recency matters more than a careful eviction order).
+struct ByteCache<K, V> {
+    map: HashMap<K, V>,
+    bytes: usize,
+}
+
+impl<K: std::hash::Hash + Eq, V: Clone> ByteCache<K, V> {
+    fn new() -> Self {
+        Self { map: HashMap::new(), bytes: 0 }
+    }
+
+    fn get(&self, k: &K) -> Option<V> {
+        self.map.get(k).cloned()
+    }
+
+    fn insert(&mut self, k: K, v: V, bytes: usize) {
+        if self.bytes + bytes > CACHE_BYTES {
+            self.map.clear();
+            self.bytes = 0;
+        }
+        if bytes <= CACHE_BYTES {
+            self.map.insert(k, v);
+            self.bytes += bytes;
+        }
+    }
+}
 
 pub struct ModelBackend {
     model: Qwen2Vl,
@@ -74,10 +102,10 @@ pub struct ModelBackend {
     /// Per token id: its text is safe inside a JSON string (no quote, backslash or control character)
     /// and is not a special token.
     string_token: Vec<bool>,
-    images: HashMap<u64, ProcessedImage>,
+    images: ByteCache<u64, ProcessedImage>,
     /// Vision-tower outputs `(tokens, H)` by (content hash, adapter): the same screenshot sent again
     /// (every step of a session that did not change the screen) is encoded once.
-    features: HashMap<(u64, Option<String>), Tensor>,
+    features: ByteCache<(u64, Option<String>), Tensor>,
 }
 
 fn model_err(e: ModelError) -> BackendError {
@@ -136,7 +164,7 @@ impl ModelBackend {
             adapters,
             context_length: model.cfg.text.max_position_embeddings,
         };
-        let (images, features) = (HashMap::new(), HashMap::new());
+        let (images, features) = (ByteCache::new(), ByteCache::new());
         Ok(Self { model, tokenizer, stop_tokens, info, digit_token, string_token, images, features })
     }
 
@@ -159,13 +187,10 @@ impl ModelBackend {
     /// The checkpoint's preprocessing of an image, cached by content hash.
     fn processed(&mut self, img: &ImageInput) -> Result<ProcessedImage, BackendError> {
         if let Some(p) = self.images.get(&img.hash) {
-            return Ok(p.clone());
+            return Ok(p);
         }
         let p = preprocess(&img.image, &self.model.image_config).map_err(model_err)?;
-        if self.images.len() >= IMAGE_CACHE {
-            self.images.clear();
-        }
-        self.images.insert(img.hash, p.clone());
+        self.images.insert(img.hash, p.clone(), p.pixel_values.len() * 4);
         Ok(p)
     }
 
@@ -180,14 +205,11 @@ impl ModelBackend {
         for (hash, img) in images {
             let key = (*hash, adapter.clone());
             let f = match self.features.get(&key) {
-                Some(f) => f.clone(),
+                Some(f) => f,
                 None => {
                     let pv = img.pixel_tensor(&self.model.device).map_err(model_err)?;
                     let f = self.model.image_features(&pv, &[img.grid_thw]).map_err(model_err)?;
-                    if self.features.len() >= IMAGE_CACHE {
-                        self.features.clear();
-                    }
-                    self.features.insert(key, f.clone());
+                    self.features.insert(key, f.clone(), f.elem_count() * f.dtype().size_in_bytes());
                     f
                 }
             };
@@ -268,15 +290,19 @@ impl ModelBackend {
         let mut generated = names[choice].len();
         let budget = max_tokens.saturating_sub(generated);
         let mut dec = Decoding { seq, temperature, rng, budget, generated: 0, cancelled };
-        if req.options.constrain.unwrap_or(true) {
+        let constrain = req.options.constrain.unwrap_or(true);
+        if constrain {
             self.constrained_args(&mut dec, ACTION_NAMES[choice], &mut text)?;
         } else {
             self.free_args(&mut dec, &mut text)?;
         }
         generated += dec.generated;
         let decode_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let parsed = askgui_data::parse::parse_answer(&text).map_err(|e| {
-            BackendError::Internal(format!("the model's answer does not parse ({e}); send options.constrain true"))
+        let parsed = askgui_data::parse::parse_answer(&text).map_err(|e| match constrain {
+            true => BackendError::Internal(format!("a constrained answer did not parse ({e}): {text:?}")),
+            false => BackendError::Internal(format!(
+                "the model's answer does not parse ({e}); leave options.constrain on to get one that does"
+            )),
         })?;
         let model_action = parsed.action;
         let action = frame.action_to_screen(&model_action);
@@ -339,7 +365,8 @@ impl ModelBackend {
     /// (a token starting with a quote is more likely than any string token) or the budget ends.
     fn string(&self, dec: &mut Decoding, text: &mut String) -> Result<(), BackendError> {
         let mut n = 0;
-        while dec.generated < dec.budget {
+        // At least one token: the schema has no empty strings (an `ask` needs a question).
+        while n == 0 || dec.generated < dec.budget {
             dec.check()?;
             let logits = &dec.seq.logits;
             let Some((tok, v)) = best(logits, |i| self.string_token[i]) else { break };

@@ -115,6 +115,20 @@ fn constrained_answers_always_parse() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Even a budget of one token gives a parsing answer: the template's keys and one token of each value
+/// are always written.
+#[test]
+fn tiny_budgets_still_parse() -> anyhow::Result<()> {
+    let mut b = backend(false)?;
+    for (max_tokens, pause) in [(1, Some(0.0)), (2, Some(0.0)), (1, Some(1.0)), (3, None)] {
+        let opts = StepOptions { max_tokens: Some(max_tokens), pause_threshold: pause, ..Default::default() };
+        let r = b.step(&step_job("Buy milk", opts), NEVER)?;
+        askgui_data::parse::parse_answer(&r.raw)?;
+        r.action.check().map_err(anyhow::Error::msg)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn pause_threshold_decides_the_ask() -> anyhow::Result<()> {
     let mut b = backend(false)?;
