@@ -3,7 +3,8 @@
 //! its checkpoint name and holds the LoRA deltas loaded for it ([`crate::lora`]); with none loaded its
 //! forward is exactly `x W^T + b`.
 
-use candle_core::{Result, Tensor};
+use askgui_kernels::{attention_reference, ops, AttentionMask};
+use candle_core::{DType, Result, Tensor};
 
 use crate::checkpoint::Weights;
 use crate::config::VisionAct;
@@ -59,5 +60,27 @@ pub fn activation(x: &Tensor, act: VisionAct) -> Result<Tensor> {
         // x * sigmoid(1.702 x)
         VisionAct::QuickGelu => x.mul(&((x * -1.702)?.exp()? + 1.0)?.recip()?),
         VisionAct::Gelu => x.gelu_erf(),
+    }
+}
+
+/// Attention for the inference forward: the kernels' blocked-GEMM CustomOp (no `T x T` score matrix)
+/// where it has a kernel (CPU, f32 / f64), else the plain-candle reference. The two agree to 1e-6
+/// (`kernels/tests/grad_attention.rs`) except on query rows that see no key at all (left-padding
+/// positions of a batch), which the op sets to 0 and the reference to an average: no real token reads
+/// those rows.
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: AttentionMask,
+    key_padding: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    let has_kernel = q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64);
+    let block_diagonal = matches!(mask, AttentionMask::BlockDiagonal(_));
+    if has_kernel && !(block_diagonal && key_padding.is_some()) {
+        ops::attention(q, k, v, mask, key_padding, scale)
+    } else {
+        attention_reference(q, k, v, mask, key_padding, scale)
     }
 }

@@ -113,7 +113,7 @@ impl Qwen2Vl {
             dir = %files.dir.display(),
             ?dtype,
             device = ?device,
-            kernels = "reference (plain candle)",
+            kernels = "attention: CustomOp (CPU f32/f64), other ops: reference",
             "loaded model"
         );
         Ok(Self {

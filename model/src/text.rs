@@ -5,9 +5,7 @@
 //! o_proj does not (Qwen2). The cache holds keys and values after rotation, so decoding a token costs one
 //! row of attention per layer.
 
-use askgui_kernels::{
-    attention_reference, mrope_cos_sin_reference, ops, rms_norm_reference, rope_reference, AttentionMask,
-};
+use askgui_kernels::{mrope_cos_sin_reference, ops, rms_norm_reference, rope_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::Weights;
@@ -203,7 +201,7 @@ impl TextDecoder {
         }
         let scale = (hd as f64).powf(-0.5);
         let o = match train {
-            None => attention_reference(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
+            None => crate::layers::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
             Some(_) => ops::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
         };
         // (B, nh, T, hd) -> (B, T, nh * hd)

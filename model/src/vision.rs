@@ -8,9 +8,7 @@
 //! For windows, rows are first permuted window by window (so that each window is a contiguous segment
 //! of a block-diagonal attention) and permuted back after the merger (Qwen2.5-VL report, section 2.1.1).
 
-use askgui_kernels::{
-    attention_reference, layer_norm_reference, ops, rms_norm_reference, rope_reference, AttentionMask,
-};
+use askgui_kernels::{layer_norm_reference, ops, rms_norm_reference, rope_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::Weights;
@@ -370,7 +368,7 @@ impl VisionTower {
         let (q, k, v) = (part(0)?, part(1)?, part(2)?);
         let (mask, scale) = (AttentionMask::BlockDiagonal(cu), (hd as f64).powf(-0.5));
         let o = match train {
-            None => attention_reference(&q, &k, &v, mask, None, scale)?,
+            None => crate::layers::attention(&q, &k, &v, mask, None, scale)?,
             Some(_) => ops::attention(&q, &k, &v, mask, None, scale)?,
         };
         // (1, H, P, hd) -> (P, H * hd)
