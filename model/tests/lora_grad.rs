@@ -106,10 +106,7 @@ fn new_adapter_has_the_lora_gradient_pattern() -> anyhow::Result<()> {
 
 #[test]
 fn loss_and_gradients_match_peft() -> anyhow::Result<()> {
-    let mut c = case()?;
-    c.model.load_adapter("peft", fixtures().join("lora/grad/adapter"))?;
-    c.model.make_adapter_trainable("peft")?;
-    c.model.set_active_adapter(Some("peft"))?;
+    let c = peft_case()?;
     let want = load_st("lora/grad/grads.safetensors");
     let loss = c.loss()?;
     let (got_l, want_l) = (loss.to_scalar::<f32>()? as f64, get(&want, "loss").to_scalar::<f32>()? as f64);
@@ -137,10 +134,7 @@ fn loss_and_gradients_match_peft() -> anyhow::Result<()> {
 
 #[test]
 fn sgd_steps_change_only_the_adapter() -> anyhow::Result<()> {
-    let mut c = case()?;
-    c.model.load_adapter("peft", fixtures().join("lora/grad/adapter"))?;
-    c.model.make_adapter_trainable("peft")?;
-    c.model.set_active_adapter(Some("peft"))?;
+    let c = peft_case()?;
     let base: Vec<(String, Vec<f32>)> = c
         .model
         .base_tensors()
@@ -197,10 +191,7 @@ fn dropout_is_seeded() -> anyhow::Result<()> {
 /// gradients up to summation order: 1e-5 of each gradient's largest magnitude, 1e-6 relative on the loss.
 #[test]
 fn checkpointing_gives_the_one_graph_gradients() -> anyhow::Result<()> {
-    let mut c = case()?;
-    c.model.load_adapter("peft", fixtures().join("lora/grad/adapter"))?;
-    c.model.make_adapter_trainable("peft")?;
-    c.model.set_active_adapter(Some("peft"))?;
+    let mut c = peft_case()?;
     c.model.set_adapter_dropout("peft", 0.3)?;
     let vars = c.model.trainable_vars("peft")?;
     let full = c.step(false, 5)?;
