@@ -10,7 +10,8 @@
 //!    `ask_probability` is its `ask` entry. The name is the most likely one (sampled at temperature > 0);
 //!    with `pause_threshold` the answer is `ask` exactly when `ask_probability >= pause_threshold`;
 //! 2. with `constrain` (the default) the arguments follow the action's schema as a template: literal
-//!    keys are forced, integers may only use digit tokens, strings may not contain a quote or a
+//!    keys are forced, integers may only use digit tokens and stay inside the model frame (coordinates)
+//!    or 0..=60 (`wait` seconds), strings may not contain a quote or a
 //!    backslash, enums are scored like names; the answer therefore always parses. `max_tokens` bounds the
 //!    model's free choices (digits and string contents); the template's keys and brackets are always
 //!    written, so a constrained answer can exceed it by those. Without `constrain`
@@ -61,6 +62,8 @@ pub struct ModelBackendConfig {
 const DEFAULT_STEP_TOKENS: usize = 128;
 /// Longest integer a constrained answer may write (coordinates, seconds).
 const MAX_INT_DIGITS: usize = 6;
+/// The longest `wait` a constrained answer may ask for.
+const MAX_WAIT_SECONDS: u64 = 60;
 /// Bytes of preprocessed screenshots, and of vision features, kept by content hash (each cache).
 const CACHE_BYTES: usize = 256 << 20;
 
@@ -99,6 +102,8 @@ pub struct ModelBackend {
     info: BackendInfo,
     /// Per token id: its text is one or more ASCII digits.
     digit_token: Vec<bool>,
+    /// The text of each digit token.
+    digit_text: HashMap<u32, String>,
     /// Per token id: its text is safe inside a JSON string (no quote, backslash or control character)
     /// and is not a special token.
     string_token: Vec<bool>,
@@ -148,10 +153,14 @@ impl ModelBackend {
         let vocab = model.cfg.text.vocab_size;
         let specials = [model.cfg.image_token_id, model.cfg.vision_start_token_id, model.cfg.vision_end_token_id];
         let (mut digit_token, mut string_token) = (vec![false; vocab], vec![false; vocab]);
+        let mut digit_text = HashMap::new();
         for id in 0..vocab as u32 {
             let Ok(text) = tokenizer.decode(&[id], false) else { continue };
             let special = specials.contains(&id) || stop_tokens.contains(&id) || text.contains("<|");
             digit_token[id as usize] = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+            if digit_token[id as usize] {
+                digit_text.insert(id, text.clone());
+            }
             string_token[id as usize] = !special
                 && !text.is_empty()
                 && !text.contains('\u{fffd}')
@@ -165,7 +174,7 @@ impl ModelBackend {
             context_length: model.cfg.text.max_position_embeddings,
         };
         let (images, features) = (ByteCache::new(), ByteCache::new());
-        Ok(Self { model, tokenizer, stop_tokens, info, digit_token, string_token, images, features })
+        Ok(Self { model, tokenizer, stop_tokens, info, digit_token, digit_text, string_token, images, features })
     }
 
     fn use_adapter(&mut self, adapter: Option<&str>) -> Result<(), BackendError> {
@@ -292,7 +301,7 @@ impl ModelBackend {
         let mut dec = Decoding { seq, temperature, rng, budget, generated: 0, cancelled };
         let constrain = req.options.constrain.unwrap_or(true);
         if constrain {
-            self.constrained_args(&mut dec, ACTION_NAMES[choice], &mut text)?;
+            self.constrained_args(&mut dec, ACTION_NAMES[choice], &mut text, frame.model)?;
         } else {
             self.free_args(&mut dec, &mut text)?;
         }
@@ -329,25 +338,27 @@ impl ModelBackend {
         Ok(())
     }
 
-    /// Decodes one integer: digit tokens only, ended when a non-digit token would be more likely than
-    /// any digit token (or at [`MAX_INT_DIGITS`]).
-    fn int(&self, dec: &mut Decoding, text: &mut String) -> Result<(), BackendError> {
+    /// Decodes one integer in `0..=max`: digit tokens that keep the value in range, ended when a
+    /// non-digit token would be more likely than any of them (or at [`MAX_INT_DIGITS`]).
+    fn int(&self, dec: &mut Decoding, text: &mut String, max: u64) -> Result<(), BackendError> {
         let mut digits = String::new();
         while dec.generated < dec.budget || digits.is_empty() {
             dec.check()?;
+            let fits = |i: usize| {
+                self.digit_text.get(&(i as u32)).is_some_and(|t| {
+                    digits.len() + t.len() <= MAX_INT_DIGITS
+                        && format!("{digits}{t}").parse::<u64>().is_ok_and(|v| v <= max)
+                })
+            };
             let logits = &dec.seq.logits;
-            let best_digit = best(logits, |i| self.digit_token[i]);
+            let best_digit = best(logits, |i| self.digit_token[i] && fits(i));
             let best_other = best(logits, |i| !self.digit_token[i]);
             let Some((tok, v)) = best_digit else { break };
             let stop = !digits.is_empty() && best_other.is_some_and(|(_, o)| o > v);
-            if stop || digits.len() >= MAX_INT_DIGITS {
+            if stop {
                 break;
             }
-            let t = self.tokenizer.decode(&[tok], false).map_err(model_err)?;
-            if digits.len() + t.len() > MAX_INT_DIGITS {
-                break;
-            }
-            digits.push_str(&t);
+            digits.push_str(&self.digit_text[&tok]);
             dec.seq.feed(&self.model, &[tok])?;
             dec.generated += 1;
         }
@@ -401,11 +412,23 @@ impl ModelBackend {
     }
 
     /// The action's arguments as a template of forced keys and typed values (see the module docs).
-    fn constrained_args(&self, dec: &mut Decoding, name: &str, text: &mut String) -> Result<(), BackendError> {
+    /// Coordinates stay inside the model frame `(width, height)`.
+    fn constrained_args(
+        &self,
+        dec: &mut Decoding,
+        name: &str,
+        text: &mut String,
+        frame: (u32, u32),
+    ) -> Result<(), BackendError> {
         let ints = |keys: &[&str], dec: &mut Decoding, text: &mut String| -> Result<(), BackendError> {
             for k in keys {
                 self.force(dec, text, &format!(",\"{k}\":"))?;
-                self.int(dec, text)?;
+                let max = match k.chars().next() {
+                    Some('x') => frame.0.saturating_sub(1) as u64,
+                    Some('y') => frame.1.saturating_sub(1) as u64,
+                    _ => MAX_WAIT_SECONDS,
+                };
+                self.int(dec, text, max)?;
             }
             Ok(())
         };

@@ -105,6 +105,10 @@ fn constrained_answers_always_parse() -> anyhow::Result<()> {
         let r = b.step(&step_job("Find the cheapest flight", opts), NEVER)?;
         askgui_data::parse::parse_answer(&r.raw)?;
         r.action.check().map_err(anyhow::Error::msg)?;
+        // Coordinates are constrained to the model frame, so they land on the 200x150 screen.
+        if let Some((x, y)) = r.action.target().and_then(|t| t.xy()) {
+            assert!((0..=200).contains(&x) && (0..=150).contains(&y), "({x}, {y}) off the screen: {}", r.raw);
+        }
         kinds.insert(r.action.name());
         // The template's keys are always written (one token per character with this byte-level
         // tokenizer: up to about 50); the free digits and string contents stop at max_tokens.
