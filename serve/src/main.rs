@@ -25,7 +25,6 @@ fn load_model(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
     let mb = ModelBackendConfig {
         model: cfg.model.clone(),
         adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
-        max_batch: cfg.max_batch as usize,
     };
     Ok(Box::new(ModelBackend::load(&mb)?))
 }

@@ -55,7 +55,6 @@ pub struct ModelBackendConfig {
     pub model: String,
     /// LoRA adapters (PEFT directories) by the name requests use.
     pub adapters: Vec<(String, PathBuf)>,
-    pub max_batch: usize,
 }
 
 /// Answer length of an agent step when the request does not say.
@@ -100,10 +99,10 @@ pub struct ModelBackend {
     tokenizer: QwenTokenizer,
     stop_tokens: Vec<u32>,
     info: BackendInfo,
-    /// Per token id: its text is one or more ASCII digits.
-    digit_token: Vec<bool>,
-    /// The text of each digit token.
-    digit_text: HashMap<u32, String>,
+    /// Per token id: `(value, number of digits)` when its text is one or more ASCII digits.
+    digit_token: Vec<Option<(u64, u32)>>,
+    /// The token that closes a JSON string (`"`).
+    quote_token: Option<u32>,
     /// Per token id: its text is safe inside a JSON string (no quote, backslash or control character)
     /// and is not a special token.
     string_token: Vec<bool>,
@@ -152,14 +151,12 @@ impl ModelBackend {
         }
         let vocab = model.cfg.text.vocab_size;
         let specials = [model.cfg.image_token_id, model.cfg.vision_start_token_id, model.cfg.vision_end_token_id];
-        let (mut digit_token, mut string_token) = (vec![false; vocab], vec![false; vocab]);
-        let mut digit_text = HashMap::new();
+        let (mut digit_token, mut string_token) = (vec![None; vocab], vec![false; vocab]);
         for id in 0..vocab as u32 {
             let Ok(text) = tokenizer.decode(&[id], false) else { continue };
             let special = specials.contains(&id) || stop_tokens.contains(&id) || text.contains("<|");
-            digit_token[id as usize] = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
-            if digit_token[id as usize] {
-                digit_text.insert(id, text.clone());
+            if !text.is_empty() && text.len() <= MAX_INT_DIGITS && text.bytes().all(|b| b.is_ascii_digit()) {
+                digit_token[id as usize] = text.parse().ok().map(|v| (v, text.len() as u32));
             }
             string_token[id as usize] = !special
                 && !text.is_empty()
@@ -174,7 +171,8 @@ impl ModelBackend {
             context_length: model.cfg.text.max_position_embeddings,
         };
         let (images, features) = (ByteCache::new(), ByteCache::new());
-        Ok(Self { model, tokenizer, stop_tokens, info, digit_token, digit_text, string_token, images, features })
+        let quote_token = tokenizer.encode("\"").context("tokenising a quote")?.first().copied();
+        Ok(Self { model, tokenizer, stop_tokens, info, digit_token, quote_token, string_token, images, features })
     }
 
     fn use_adapter(&mut self, adapter: Option<&str>) -> Result<(), BackendError> {
@@ -341,39 +339,36 @@ impl ModelBackend {
     /// Decodes one integer in `0..=max`: digit tokens that keep the value in range, ended when a
     /// non-digit token would be more likely than any of them (or at [`MAX_INT_DIGITS`]).
     fn int(&self, dec: &mut Decoding, text: &mut String, max: u64) -> Result<(), BackendError> {
-        let mut digits = String::new();
-        while dec.generated < dec.budget || digits.is_empty() {
+        // The digits so far: their value and how many (leading zeros count towards the length only).
+        let (mut value, mut len) = (0u64, 0u32);
+        while dec.generated < dec.budget || len == 0 {
             dec.check()?;
             let fits = |i: usize| {
-                self.digit_text.get(&(i as u32)).is_some_and(|t| {
-                    digits.len() + t.len() <= MAX_INT_DIGITS
-                        && format!("{digits}{t}").parse::<u64>().is_ok_and(|v| v <= max)
-                })
+                self.digit_token[i]
+                    .is_some_and(|(v, l)| len + l <= MAX_INT_DIGITS as u32 && value * 10u64.pow(l) + v <= max)
             };
             let logits = &dec.seq.logits;
-            let best_digit = best(logits, |i| self.digit_token[i] && fits(i));
-            let best_other = best(logits, |i| !self.digit_token[i]);
-            let Some((tok, v)) = best_digit else { break };
-            let stop = !digits.is_empty() && best_other.is_some_and(|(_, o)| o > v);
-            if stop {
+            let Some((tok, v)) = best(logits, fits) else { break };
+            let best_other = best(logits, |i| self.digit_token[i].is_none());
+            if len > 0 && best_other.is_some_and(|(_, o)| o > v) {
                 break;
             }
-            digits.push_str(&self.digit_text[&tok]);
+            let (v, l) = self.digit_token[tok as usize].expect("a digit token");
+            (value, len) = (value * 10u64.pow(l) + v, len + l);
             dec.seq.feed(&self.model, &[tok])?;
             dec.generated += 1;
         }
-        if digits.is_empty() {
-            self.force(dec, text, "0")?;
+        if len == 0 {
+            self.force(dec, text, "0")
         } else {
-            // Drop leading zeros (JSON numbers), keeping one digit.
-            let trimmed = digits.trim_start_matches('0');
-            text.push_str(if trimmed.is_empty() { "0" } else { trimmed });
+            // As a JSON number: no leading zeros.
+            text.push_str(&value.to_string());
+            Ok(())
         }
-        Ok(())
     }
 
     /// Decodes the inside of a JSON string: tokens safe in a string until the model prefers to close it
-    /// (a token starting with a quote is more likely than any string token) or the budget ends.
+    /// (the quote token is more likely than any string token) or the budget ends.
     fn string(&self, dec: &mut Decoding, text: &mut String) -> Result<(), BackendError> {
         let mut n = 0;
         // At least one token: the schema has no empty strings (an `ask` needs a question).
@@ -381,8 +376,7 @@ impl ModelBackend {
             dec.check()?;
             let logits = &dec.seq.logits;
             let Some((tok, v)) = best(logits, |i| self.string_token[i]) else { break };
-            let close = self.tokenizer.encode("\"").map_err(model_err)?;
-            let close_v = close.first().map(|&c| logits[c as usize]).unwrap_or(f32::NEG_INFINITY);
+            let close_v = self.quote_token.map_or(f32::NEG_INFINITY, |c| logits[c as usize]);
             if n > 0 && close_v > v {
                 break;
             }

@@ -33,7 +33,6 @@ fn server() -> ServerHandle {
     let backend_cfg = ModelBackendConfig {
         model: ckpt,
         adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
-        max_batch: 4,
     };
     let factory = Box::new(move || {
         let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&backend_cfg)?);

@@ -173,16 +173,15 @@ fn softmax_row<T: WithDType>(row: &mut [T], spec: &Spec, dims: &Dims, b: usize, 
         row.fill(T::zero());
         return f64::NEG_INFINITY;
     }
+    // exp(s - m) in place (0 for unseen keys), then normalised: no buffer per row.
     let mut l = 0f64;
-    let mut e = vec![0f64; row.len()];
-    for (c, (s, e)) in row.iter().zip(e.iter_mut()).enumerate() {
-        if seen(lo + c) {
-            *e = (s.to_f64() - m).exp();
-            l += *e;
-        }
+    for (c, s) in row.iter_mut().enumerate() {
+        let e = if seen(lo + c) { (s.to_f64() - m).exp() } else { 0.0 };
+        l += e;
+        *s = T::from_f64(e);
     }
-    for (s, e) in row.iter_mut().zip(&e) {
-        *s = T::from_f64(e / l);
+    for s in row.iter_mut() {
+        *s = T::from_f64(s.to_f64() / l);
     }
     m + l.ln()
 }
