@@ -213,6 +213,27 @@ impl Qwen2Vl {
         self.text.forward(embeds, positions, key_padding, cache)
     }
 
+    /// Several sequences' new tokens in one decoder pass, each over its own cache; see
+    /// [`TextDecoder::forward_packed`].
+    pub fn decode_packed(
+        &self,
+        embeds: &Tensor,
+        positions: &Tensor,
+        lens: &[usize],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor> {
+        if lens.len() != caches.len() || lens.iter().sum::<usize>() != embeds.dim(1)? {
+            return Err(ModelError::Prompt(format!(
+                "packed decode: {} lengths summing to {} for {} caches and {} rows",
+                lens.len(),
+                lens.iter().sum::<usize>(),
+                caches.len(),
+                embeds.dim(1)?
+            )));
+        }
+        self.text.forward_packed(embeds, positions, lens, caches)
+    }
+
     pub fn new_cache(&self) -> KvCache {
         self.text.new_cache()
     }

@@ -40,6 +40,29 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The cache of the first `len` positions (a prefix shared with another prompt). Tensors are
+    /// narrowed views; nothing is copied until the next append.
+    pub fn truncated(&self, len: usize) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                Some((k, v)) if len > 0 => Ok(Some((k.narrow(2, 0, len)?, v.narrow(2, 0, len)?))),
+                _ => Ok(None),
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self { layers })
+    }
+
+    /// Bytes held by the keys and values.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
+    }
 }
 
 pub struct TextDecoder {
@@ -146,6 +169,28 @@ impl TextDecoder {
         self.final_norm(&x, train)
     }
 
+    /// Several sequences in one pass: `embeds (1, N, H)` is their new tokens back to back (`lens[i]` rows
+    /// each, `N = sum(lens)`), `positions (3, 1, N)` likewise, and `caches[i]` is sequence `i`'s cache.
+    /// Norms, projections and MLPs run once over all `N` rows (one GEMM per weight instead of one per
+    /// sequence: on a CPU the weights are read once per step, not once per sequence); only attention is
+    /// per sequence, over its own cache. Each sequence's rows come out exactly as [`Self::forward`] would
+    /// give them alone, up to float reassociation in the GEMMs.
+    pub fn forward_packed(
+        &self,
+        embeds: &Tensor,
+        positions: &Tensor,
+        lens: &[usize],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor> {
+        let rope = self.rope(positions, embeds.dtype(), embeds.device())?;
+        let mut x = embeds.clone();
+        for i in 0..self.layers.len() {
+            let mut slots: Vec<&mut Option<(Tensor, Tensor)>> = caches.iter_mut().map(|c| &mut c.layers[i]).collect();
+            x = self.layer_packed(i, &x, &rope, lens, &mut slots)?;
+        }
+        self.final_norm(&x, None)
+    }
+
     /// Number of decoder layers.
     pub(crate) fn depth(&self) -> usize {
         self.layers.len()
@@ -172,11 +217,55 @@ impl TextDecoder {
         &self,
         i: usize,
         x: &Tensor,
-        (cos, sin): &(Tensor, Tensor),
+        rope: &(Tensor, Tensor),
         key_padding: Option<&Tensor>,
         slot: Option<&mut Option<(Tensor, Tensor)>>,
         train: Option<&TrainCtx>,
     ) -> Result<Tensor> {
+        let (q, mut k, mut v) = self.qkv(i, x, rope, train)?;
+        if let Some(slot) = slot {
+            (k, v) = append(slot, k, v)?;
+        }
+        let scale = (self.cfg.head_dim() as f64).powf(-0.5);
+        let o = match train {
+            None => crate::layers::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
+            Some(_) => ops::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
+        };
+        self.attn_out_mlp(i, x, &o, train)
+    }
+
+    /// [`Self::layer`] over packed sequences (see [`Self::forward_packed`]): `x (1, N, H)`.
+    fn layer_packed(
+        &self,
+        i: usize,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        lens: &[usize],
+        slots: &mut [&mut Option<(Tensor, Tensor)>],
+    ) -> Result<Tensor> {
+        let (q, k, v) = self.qkv(i, x, rope, None)?;
+        let scale = (self.cfg.head_dim() as f64).powf(-0.5);
+        let mut outs = Vec::with_capacity(lens.len());
+        let mut start = 0;
+        for (&len, slot) in lens.iter().zip(slots.iter_mut()) {
+            // (1, n, N, hd) -> this sequence's (1, n, len, hd)
+            let part = |t: &Tensor| t.narrow(2, start, len);
+            let (k, v) = append(slot, part(&k)?, part(&v)?)?;
+            outs.push(crate::layers::attention(&part(&q)?, &k, &v, AttentionMask::Causal, None, scale)?);
+            start += len;
+        }
+        self.attn_out_mlp(i, x, &Tensor::cat(&outs, 2)?, None)
+    }
+
+    /// Layer `i`'s pre-norm and projections: `x (B, T, H)` -> rotated `q (B, nh, T, hd)`, rotated
+    /// `k (B, nkv, T, hd)` and `v (B, nkv, T, hd)`.
+    fn qkv(
+        &self,
+        i: usize,
+        x: &Tensor,
+        (cos, sin): &(Tensor, Tensor),
+        train: Option<&TrainCtx>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let layer = &self.layers[i];
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim());
@@ -189,23 +278,16 @@ impl TextDecoder {
         let heads = |lin: &Linear, n: usize| -> candle_core::Result<Tensor> {
             lin.forward_with(&a, train)?.reshape((b, t, n, hd))?.transpose(1, 2)
         };
-        let q = rot(&heads(&layer.q, nh)?)?;
-        let mut k = rot(&heads(&layer.k, nkv)?)?;
-        let mut v = heads(&layer.v, nkv)?;
-        if let Some(slot) = slot {
-            if let Some((pk, pv)) = slot.as_ref() {
-                k = Tensor::cat(&[pk, &k], 2)?;
-                v = Tensor::cat(&[pv, &v], 2)?;
-            }
-            *slot = Some((k.clone(), v.clone()));
-        }
-        let scale = (hd as f64).powf(-0.5);
-        let o = match train {
-            None => crate::layers::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
-            Some(_) => ops::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
-        };
+        Ok((rot(&heads(&layer.q, nh)?)?, rot(&heads(&layer.k, nkv)?)?, heads(&layer.v, nkv)?))
+    }
+
+    /// The rest of layer `i` after attention: `o (B, nh, T, hd)` through o_proj onto the residual `x`,
+    /// then the MLP block.
+    fn attn_out_mlp(&self, i: usize, x: &Tensor, o: &Tensor, train: Option<&TrainCtx>) -> Result<Tensor> {
+        let layer = &self.layers[i];
+        let (b, t, _) = x.dims3()?;
         // (B, nh, T, hd) -> (B, T, nh * hd)
-        let o = o.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        let o = o.transpose(1, 2)?.reshape((b, t, self.cfg.num_attention_heads * self.cfg.head_dim()))?;
         let x = (x + layer.o.forward_with(&o, train)?)?;
         let m = self.rms(&x, &layer.post_norm, train)?;
         let mlp = layer
@@ -229,4 +311,14 @@ impl TextDecoder {
     pub fn dtype(&self) -> DType {
         self.embed_tokens.dtype()
     }
+}
+
+/// Appends new keys and values `(B, nkv, T, hd)` to a cache slot; returns the slot's full keys and values.
+fn append(slot: &mut Option<(Tensor, Tensor)>, k: Tensor, v: Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let (k, v) = match slot.as_ref() {
+        Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+        None => (k, v),
+    };
+    *slot = Some((k.clone(), v.clone()));
+    Ok((k, v))
 }
