@@ -276,6 +276,10 @@ pub struct Usage {
     pub prompt_tokens: usize,
     #[serde(default)]
     pub image_tokens: usize,
+    /// Prompt tokens whose keys and values were reused from an earlier prompt with the same beginning
+    /// (the server's prefix cache), so they cost no prefill.
+    #[serde(default)]
+    pub cached_tokens: usize,
     #[serde(default)]
     pub completion_tokens: usize,
 }
@@ -409,7 +413,7 @@ mod tests {
             model_action,
             frame: FrameInfo::from(&m),
             ask_probability: Some(0.04),
-            usage: Usage { prompt_tokens: 1502, image_tokens: 1272, completion_tokens: 14 },
+            usage: Usage { prompt_tokens: 1502, image_tokens: 1272, completion_tokens: 14, cached_tokens: 0 },
             timings: Timings { queue_ms: 0.4, preprocess_ms: 12.1, prefill_ms: 85.3, decode_ms: 61.0 },
         }
     }

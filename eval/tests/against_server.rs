@@ -29,6 +29,7 @@ fn endpoint_backend_gets_actions_from_the_real_server() {
     let mb = ModelBackendConfig {
         model: ckpt,
         adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
+        prefix_cache_bytes: cfg.prefix_cache_mb << 20,
     };
     let factory = Box::new(move || {
         let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&mb)?);

@@ -118,7 +118,7 @@ fn answer() -> AgentStepResponse {
         model_action,
         frame: FrameInfo::from(&frame),
         ask_probability: Some(0.03),
-        usage: Usage { prompt_tokens: 1500, image_tokens: 1272, completion_tokens: 20 },
+        usage: Usage { prompt_tokens: 1500, image_tokens: 1272, completion_tokens: 20, cached_tokens: 0 },
         timings: Timings { queue_ms: 0.1, preprocess_ms: 10.0, prefill_ms: 80.0, decode_ms: 60.0 },
     }
 }

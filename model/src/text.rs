@@ -55,13 +55,16 @@ impl KvCache {
         Ok(Self { layers })
     }
 
+    /// A default (empty) cache gets one slot per layer.
+    fn fit(&mut self, layers: usize) {
+        if self.layers.is_empty() {
+            self.layers = vec![None; layers];
+        }
+    }
+
     /// Bytes held by the keys and values.
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
-            .sum()
+        self.layers.iter().flatten().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
     }
 }
 
@@ -163,6 +166,7 @@ impl TextDecoder {
     ) -> Result<Tensor> {
         let rope = self.rope(positions, embeds.dtype(), embeds.device())?;
         let mut x = embeds.clone();
+        cache.fit(self.layers.len());
         for (i, slot) in cache.layers.iter_mut().enumerate() {
             x = self.layer(i, &x, &rope, key_padding, Some(slot), train)?;
         }
@@ -184,6 +188,7 @@ impl TextDecoder {
     ) -> Result<Tensor> {
         let rope = self.rope(positions, embeds.dtype(), embeds.device())?;
         let mut x = embeds.clone();
+        caches.iter_mut().for_each(|c| c.fit(self.layers.len()));
         for i in 0..self.layers.len() {
             let mut slots: Vec<&mut Option<(Tensor, Tensor)>> = caches.iter_mut().map(|c| &mut c.layers[i]).collect();
             x = self.layer_packed(i, &x, &rope, lens, &mut slots)?;

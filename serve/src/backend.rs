@@ -149,9 +149,39 @@ pub struct BackendInfo {
     pub context_length: usize,
 }
 
+/// The engine's side of a running batch, for backends that batch continuously: jobs that arrived since
+/// the batch started, and the batch-size metric.
+pub trait Intake {
+    /// Up to `max` queued jobs whose clients are still there, without waiting.
+    fn take(&mut self, max: usize) -> Vec<Job>;
+    /// Records one forward pass (or one batch) over `sequences` jobs.
+    fn record_batch(&mut self, sequences: usize);
+    /// The most jobs a backend may run at once (`--max-batch`).
+    fn max_batch(&self) -> usize;
+}
+
+/// An [`Intake`] with nothing more to give (a batch run on its own, as `predict` does).
+pub struct NoIntake;
+
+impl Intake for NoIntake {
+    fn take(&mut self, _: usize) -> Vec<Job> {
+        Vec::new()
+    }
+    fn record_batch(&mut self, _: usize) {}
+    fn max_batch(&self) -> usize {
+        usize::MAX
+    }
+}
+
 /// The thing that owns the model. Runs on one thread of its own; `run` gets a batch of jobs that arrived
 /// together and must send exactly one reply per job (a job whose client has gone may be dropped).
 pub trait Backend: Send + 'static {
     fn info(&self) -> BackendInfo;
     fn run(&mut self, jobs: Vec<Job>);
+    /// What the engine calls: `run` the batch, or (a continuously batching backend) also take jobs from
+    /// `intake` while it runs. The default runs the batch as it is.
+    fn run_continuous(&mut self, jobs: Vec<Job>, intake: &mut dyn Intake) {
+        intake.record_batch(jobs.len());
+        self.run(jobs);
+    }
 }

@@ -80,9 +80,14 @@ pub struct Config {
     #[arg(long, env = "ASKGUI_SERVE_API_KEY", hide_env_values = true)]
     #[serde(serialize_with = "redact")]
     pub api_key: Option<String>,
-    /// The most jobs the backend runs together.
-    #[arg(long, env = "ASKGUI_SERVE_MAX_BATCH", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    /// The most jobs the backend decodes together (continuous batching: each forward packs one step of
+    /// every live job; new jobs join between forwards).
+    #[arg(long, env = "ASKGUI_SERVE_MAX_BATCH", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_batch: u32,
+    /// MiB of prompt KV caches kept so that a prompt sharing a beginning with a recent one (a session's
+    /// step after an ask, a retry) prefills only the rest; 0 turns reuse off.
+    #[arg(long, env = "ASKGUI_SERVE_PREFIX_CACHE_MB", default_value_t = 256)]
+    pub prefix_cache_mb: usize,
     /// Jobs waiting for the backend beyond this are refused with 429.
     #[arg(long, env = "ASKGUI_SERVE_MAX_QUEUE", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_queue: u32,
@@ -216,7 +221,7 @@ mod tests {
         let c = cli.serve;
         assert_eq!(c.model, "m");
         assert_eq!(c.adapters.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["a", "b"]);
-        assert_eq!((c.port, c.max_batch, c.max_queue, c.max_tokens), (0, 8, 64, 256));
+        assert_eq!((c.port, c.max_batch, c.max_queue, c.max_tokens), (0, 16, 64, 256));
         assert_eq!((c.max_image_pixels, c.session_ttl, c.max_sessions), (16_777_216, 1800, 1024));
         assert_eq!(c.max_body_bytes, 33_554_432);
         let line = c.to_log_line();

@@ -20,7 +20,7 @@ use std::time::Instant;
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::backend::{Backend, BackendError, BackendInfo, Job, JobKind, JobOutput};
+use crate::backend::{Backend, BackendError, BackendInfo, Intake, Job, JobKind, JobOutput};
 use crate::metrics::Metrics;
 
 /// Any error a backend factory may fail with (an `anyhow::Error` converts into it).
@@ -202,7 +202,7 @@ impl Engine {
     }
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     match (p.downcast_ref::<&str>(), p.downcast_ref::<String>()) {
         (Some(s), _) => s.to_string(),
         (_, Some(s)) => s.clone(),
@@ -220,6 +220,40 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         cause = c.source();
     }
     s
+}
+
+/// The queue seen from a running batch ([`Intake`]): what is waiting, without blocking, minus the jobs
+/// whose clients have gone.
+struct Queue<'a> {
+    rx: &'a Receiver<Job>,
+    shared: &'a Shared,
+    max_batch: usize,
+}
+
+impl Intake for Queue<'_> {
+    fn take(&mut self, max: usize) -> Vec<Job> {
+        let mut jobs = Vec::new();
+        let mut cancelled = 0;
+        while jobs.len() < max {
+            let Ok(job) = self.rx.try_recv() else { break };
+            self.shared.depth.fetch_sub(1, Ordering::Relaxed);
+            if job.is_cancelled() {
+                cancelled += 1;
+            } else {
+                jobs.push(job);
+            }
+        }
+        self.shared.metrics.jobs_cancelled(cancelled);
+        jobs
+    }
+
+    fn record_batch(&mut self, sequences: usize) {
+        self.shared.metrics.observe_batch(sequences);
+    }
+
+    fn max_batch(&self) -> usize {
+        self.max_batch
+    }
 }
 
 fn backend_thread(factory: BackendFactory, rx: Receiver<Job>, shared: Arc<Shared>, max_batch: usize) {
@@ -250,25 +284,22 @@ fn backend_thread(factory: BackendFactory, rx: Receiver<Job>, shared: Arc<Shared
 
     // `recv` fails once every sender is gone: the server has stopped.
     while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        while batch.len() < max_batch {
-            match rx.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
-        shared.depth.fetch_sub(batch.len(), Ordering::Relaxed);
-        let before = batch.len();
-        batch.retain(|job| !job.is_cancelled());
-        shared.metrics.jobs_cancelled(before - batch.len());
+        shared.depth.fetch_sub(1, Ordering::Relaxed);
+        let mut batch = if first.is_cancelled() {
+            shared.metrics.jobs_cancelled(1);
+            vec![]
+        } else {
+            vec![first]
+        };
+        batch.extend(Queue { rx: &rx, shared: &shared, max_batch }.take(max_batch - batch.len()));
         if batch.is_empty() {
             continue;
         }
-        shared.metrics.observe_batch(batch.len());
         let size = batch.len();
         let span = tracing::debug_span!("batch", size);
         let _enter = span.enter();
-        if let Err(p) = catch_unwind(AssertUnwindSafe(|| backend.run(batch))) {
+        let mut intake = Queue { rx: &rx, shared: &shared, max_batch };
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| backend.run_continuous(batch, &mut intake))) {
             shared.metrics.backend_panic();
             tracing::error!(size, panic = %panic_message(p.as_ref()), "the backend panicked; its batch gets 500");
         }

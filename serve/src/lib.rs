@@ -3,7 +3,8 @@
 //! Layers (ARCHITECTURE.md, "Serving"): actix-web handlers ([`agent_routes`], [`openai`], [`server`]) ->
 //! the engine ([`engine`]: a bounded queue and one backend thread) -> a [`backend::Backend`] that owns the
 //! model ([`model_backend::ModelBackend`]; [`stub::StubBackend`] in tests). Handlers parse and check
-//! requests and decode images ([`images`]); they never touch tensors. Errors map to statuses in
+//! requests and decode images ([`images`]); they never touch tensors. The model backend batches
+//! concurrent jobs continuously ([`batcher`]) and reuses prompt prefixes ([`prefix_cache`]). Errors map to statuses in
 //! [`error`]; sessions live in [`sessions`]; Prometheus metrics in [`metrics`].
 //!
 //! To run a server on a free port with some backend (what the tests do):
@@ -19,6 +20,7 @@
 
 pub mod agent_routes;
 pub mod backend;
+pub mod batcher;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -27,6 +29,7 @@ pub mod metrics;
 pub mod model_backend;
 pub mod openai;
 pub mod predict;
+pub mod prefix_cache;
 pub mod server;
 pub mod sessions;
 pub mod stub;

@@ -25,6 +25,7 @@ fn load_model(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
     let mb = ModelBackendConfig {
         model: cfg.model.clone(),
         adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
+        prefix_cache_bytes: cfg.prefix_cache_mb << 20,
     };
     Ok(Box::new(ModelBackend::load(&mb)?))
 }

@@ -21,13 +21,17 @@
 //! Chat completions run the prompt through the Qwen chat template and decode freely, streaming text
 //! pieces as they are decoded.
 //!
-//! Preprocessed screenshots and their vision-tower outputs are cached by content hash (and adapter).
-//! Jobs of a batch run one after another (batch 1 per forward): batched prefill/decode across jobs and
-//! KV-prefix reuse across a session's steps are not done yet.
+//! Concurrency is continuous batching ([`crate::batcher`]): each job's decoding logic runs on a thread of
+//! its own, and the thread that owns the model runs every live job's next forward (prefills and decode
+//! steps alike) as one packed pass. Preprocessed screenshots and their vision-tower outputs are cached by
+//! content hash (and adapter), and prompt prefixes by their tokens ([`crate::prefix_cache`]): the step
+//! after an `ask` prefills only the question and the answer.
 
 use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use askgui_data::action::ACTION_NAMES;
@@ -37,16 +41,19 @@ use askgui_data::prompt::{render_chatml, step_messages, PromptConfig, StepContex
 use askgui_model::model::positions_tensor;
 use askgui_model::text::KvCache;
 use askgui_model::{
-    mrope_positions, preprocess, render_chat, Content, Message, ModelError, ProcessedImage, Qwen2Vl, QwenTokenizer,
+    mrope_positions, preprocess, render_chat, Content, ImageProcessorConfig, Message, ModelConfig, ModelError,
+    ProcessedImage, Qwen2Vl, QwenTokenizer,
 };
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::backend::{
-    Backend, BackendError, BackendInfo, ChatJob, ChatOutput, ChatPart, ChatRole, FinishReason, ImageInput, Job,
+    Backend, BackendError, BackendInfo, ChatJob, ChatOutput, ChatPart, ChatRole, FinishReason, ImageInput, Intake, Job,
     JobKind, JobOutput, StepJob,
 };
+use crate::batcher::{Batcher, Client, Item, ItemOut, Round, Ticket};
+use crate::prefix_cache::{images_before, prompt_key, PrefixCache};
 
 /// How the backend is built.
 #[derive(Debug, Clone)]
@@ -55,7 +62,12 @@ pub struct ModelBackendConfig {
     pub model: String,
     /// LoRA adapters (PEFT directories) by the name requests use.
     pub adapters: Vec<(String, PathBuf)>,
+    /// Bytes of prompt KV caches kept for reuse ([`crate::prefix_cache`]); 0 turns reuse off.
+    pub prefix_cache_bytes: usize,
 }
+
+/// The prefix cache's size when nothing says otherwise.
+pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 256 << 20;
 
 /// Answer length of an agent step when the request does not say.
 const DEFAULT_STEP_TOKENS: usize = 128;
@@ -65,6 +77,10 @@ const MAX_INT_DIGITS: usize = 6;
 const MAX_WAIT_SECONDS: u64 = 60;
 /// Bytes of preprocessed screenshots, and of vision features, kept by content hash (each cache).
 const CACHE_BYTES: usize = 256 << 20;
+/// Most new tokens in one packed forward: more requests wait for the next (bounds activation memory).
+const MAX_PACK_TOKENS: usize = 8192;
+/// How long the model's owner waits for a busy job before looking for new ones.
+const ROUND_WAIT: Duration = Duration::from_millis(2);
 
 /// A map bounded in bytes: when an insert would go over the budget it starts again empty (screens of a
 /// session repeat back to back, so recency matters more than a careful eviction order).
@@ -94,8 +110,24 @@ impl<K: std::hash::Hash + Eq, V: Clone> ByteCache<K, V> {
     }
 }
 
+/// The model backend: the [`Runner`] that owns the model and the [`Decoder`] that jobs share.
 pub struct ModelBackend {
+    runner: Runner,
+    decoder: Decoder,
+}
+
+/// The model's owner: runs packed forwards for the jobs' [`Ticket`]s.
+struct Runner {
     model: Qwen2Vl,
+    /// Vision-tower outputs `(tokens, H)` by (content hash, adapter): the same screenshot sent again
+    /// (every step of a session that did not change the screen) is encoded once.
+    features: ByteCache<(u64, Option<String>), Tensor>,
+}
+
+/// Everything a job needs to build its prompt and decode its answer, shared by the job threads.
+struct Decoder {
+    cfg: ModelConfig,
+    image_config: ImageProcessorConfig,
     tokenizer: QwenTokenizer,
     stop_tokens: Vec<u32>,
     info: BackendInfo,
@@ -106,10 +138,8 @@ pub struct ModelBackend {
     /// Per token id: its text is safe inside a JSON string (no quote, backslash or control character)
     /// and is not a special token.
     string_token: Vec<bool>,
-    images: ByteCache<u64, ProcessedImage>,
-    /// Vision-tower outputs `(tokens, H)` by (content hash, adapter): the same screenshot sent again
-    /// (every step of a session that did not change the screen) is encoded once.
-    features: ByteCache<(u64, Option<String>), Tensor>,
+    images: Mutex<ByteCache<u64, Arc<ProcessedImage>>>,
+    prefixes: Mutex<PrefixCache>,
 }
 
 fn model_err(e: ModelError) -> BackendError {
@@ -137,7 +167,13 @@ impl ModelBackend {
                 .load_adapter(name, dir)
                 .with_context(|| format!("loading adapter `{name}` from {}", dir.display()))?;
         }
-        Self::from_model(model, &cfg.model)
+        Ok(Self::from_model(model, &cfg.model)?.with_prefix_cache(cfg.prefix_cache_bytes))
+    }
+
+    /// Sets the prefix cache's size in bytes (0: no reuse).
+    pub fn with_prefix_cache(mut self, bytes: usize) -> Self {
+        self.decoder.prefixes = Mutex::new(PrefixCache::new(bytes));
+        self
     }
 
     /// Wraps a loaded model (its adapters already loaded), served under `model_id`.
@@ -170,12 +206,56 @@ impl ModelBackend {
             adapters,
             context_length: model.cfg.text.max_position_embeddings,
         };
-        let (images, features) = (ByteCache::new(), ByteCache::new());
         let quote_token = tokenizer.encode("\"").context("tokenising a quote")?.first().copied();
-        Ok(Self { model, tokenizer, stop_tokens, info, digit_token, quote_token, string_token, images, features })
+        let decoder = Decoder {
+            cfg: model.cfg.clone(),
+            image_config: model.image_config.clone(),
+            tokenizer,
+            stop_tokens,
+            info,
+            digit_token,
+            quote_token,
+            string_token,
+            images: Mutex::new(ByteCache::new()),
+            prefixes: Mutex::new(PrefixCache::new(DEFAULT_PREFIX_CACHE_BYTES)),
+        };
+        Ok(Self { runner: Runner { model, features: ByteCache::new() }, decoder })
     }
 
-    fn use_adapter(&mut self, adapter: Option<&str>) -> Result<(), BackendError> {
+    /// One agent step with the model's active adapter (what `POST /v1/agent/step` runs, without a server).
+    pub fn step(&mut self, job: &StepJob, cancelled: &dyn Fn() -> bool) -> Result<AgentStepResponse, BackendError> {
+        self.solo(|d, c| d.step(c, job, cancelled))
+    }
+
+    /// One chat completion with the model's active adapter, streaming text pieces to `stream`.
+    pub fn chat(
+        &mut self,
+        job: &ChatJob,
+        stream: Option<&tokio::sync::mpsc::UnboundedSender<String>>,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<ChatOutput, BackendError> {
+        self.solo(|d, c| d.chat(c, job, stream, cancelled))
+    }
+
+    /// Runs one job's logic on this thread while the model runs its forwards on another.
+    fn solo<T>(&mut self, work: impl FnOnce(&Decoder, &Client) -> T) -> T {
+        let batcher = Batcher::default();
+        let Self { runner, decoder } = self;
+        let adapter = runner.model.active_adapter().map(String::from);
+        std::thread::scope(|s| {
+            batcher.job_started();
+            let owner = s.spawn(|| runner.serve(&batcher, &mut crate::backend::NoIntake, &|_| {}));
+            let out = work(decoder, &Client::new(&batcher, adapter));
+            if let Err(p) = owner.join() {
+                std::panic::resume_unwind(p);
+            }
+            out
+        })
+    }
+}
+
+impl Decoder {
+    fn check_adapter(&self, adapter: Option<&str>) -> Result<(), BackendError> {
         if let Some(name) = adapter {
             if !self.info.adapters.iter().any(|a| a == name) {
                 return Err(BackendError::UnknownAdapter {
@@ -188,41 +268,18 @@ impl ModelBackend {
                 });
             }
         }
-        self.model.set_active_adapter(adapter).map_err(model_err)
+        Ok(())
     }
 
     /// The checkpoint's preprocessing of an image, cached by content hash.
-    fn processed(&mut self, img: &ImageInput) -> Result<ProcessedImage, BackendError> {
-        if let Some(p) = self.images.get(&img.hash) {
+    fn processed(&self, img: &ImageInput) -> Result<Arc<ProcessedImage>, BackendError> {
+        if let Some(p) = self.images.lock().unwrap_or_else(|p| p.into_inner()).get(&img.hash) {
             return Ok(p);
         }
-        let p = preprocess(&img.image, &self.model.image_config).map_err(model_err)?;
-        self.images.insert(img.hash, p.clone(), p.pixel_values.len() * 4);
+        let p = Arc::new(preprocess(&img.image, &self.image_config).map_err(model_err)?);
+        let bytes = p.pixel_values.len() * 4;
+        self.images.lock().unwrap_or_else(|p| p.into_inner()).insert(img.hash, p.clone(), bytes);
         Ok(p)
-    }
-
-    /// The vision tower's output for the images, in order, each cached by (hash, active adapter). Each
-    /// image attends only to itself, so encoding them one by one equals encoding them together.
-    fn image_features(&mut self, images: &[(u64, ProcessedImage)]) -> Result<Option<Tensor>, BackendError> {
-        if images.is_empty() {
-            return Ok(None);
-        }
-        let adapter = self.model.active_adapter().map(String::from);
-        let mut parts = Vec::with_capacity(images.len());
-        for (hash, img) in images {
-            let key = (*hash, adapter.clone());
-            let f = match self.features.get(&key) {
-                Some(f) => f,
-                None => {
-                    let pv = img.pixel_tensor(&self.model.device).map_err(model_err)?;
-                    let f = self.model.image_features(&pv, &[img.grid_thw]).map_err(model_err)?;
-                    self.features.insert(key, f.clone(), f.elem_count() * f.dtype().size_in_bytes());
-                    f
-                }
-            };
-            parts.push(f);
-        }
-        Ok(Some(Tensor::cat(&parts, 0).map_err(candle_err)?))
     }
 
     fn check_context(&self, prompt: usize, answer: usize) -> Result<(), BackendError> {
@@ -234,10 +291,15 @@ impl ModelBackend {
     }
 
     /// One agent step.
-    pub fn step(&mut self, job: &StepJob, cancelled: &dyn Fn() -> bool) -> Result<AgentStepResponse, BackendError> {
+    fn step(
+        &self,
+        client: &Client,
+        job: &StepJob,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<AgentStepResponse, BackendError> {
         let t_start = Instant::now();
         let req: &AgentStepRequest = &job.request;
-        let images: Vec<(u64, ProcessedImage)> =
+        let images: Vec<(u64, Arc<ProcessedImage>)> =
             job.screenshot.iter().map(|s| Ok((s.hash, self.processed(s)?))).collect::<Result<_, BackendError>>()?;
         let screen = match (&req.observation.screen, &job.screenshot) {
             (Some(s), _) => (s.width, s.height),
@@ -246,7 +308,7 @@ impl ModelBackend {
                 return Err(BackendError::BadInput("observation.screen is required without a screenshot".into()))
             }
         };
-        let ic = &self.model.image_config;
+        let ic = &self.image_config;
         let cfg = PromptConfig { min_pixels: ic.min_pixels, max_pixels: ic.max_pixels, ..PromptConfig::default() };
         let mut frame = cfg.frame_map(screen.0, screen.1).map_err(|e| BackendError::BadInput(e.to_string()))?;
         if let (FrameKind::Resized, Some((_, p))) = (frame.kind, images.first()) {
@@ -271,9 +333,7 @@ impl ModelBackend {
         let preprocess_ms = t_start.elapsed().as_secs_f64() * 1e3;
 
         let t0 = Instant::now();
-        let feats = self.image_features(&images)?;
-        let grids: Vec<[usize; 3]> = images.iter().map(|(_, i)| i.grid_thw).collect();
-        let mut seq = Seq::prefill(&self.model, &ids, &grids, feats.as_ref())?;
+        let (mut seq, cached) = Seq::prefill(self, client, &ids, &images)?;
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         let t0 = Instant::now();
         // The exact distribution over action names: log p of each name's closing `name"` tokens.
@@ -281,7 +341,7 @@ impl ModelBackend {
             .iter()
             .map(|n| self.tokenizer.encode(&format!("{n}\"")).map_err(model_err))
             .collect::<Result<_, _>>()?;
-        let logp: Vec<f64> = names.iter().map(|t| seq.logprob(&self.model, t)).collect::<Result<_, _>>()?;
+        let logp = seq.logprobs(&names)?;
         let probs = normalise(&logp);
         let ask = ACTION_NAMES.iter().position(|&n| n == "ask").expect("ask is an action");
         let ask_probability = probs[ask];
@@ -292,7 +352,7 @@ impl ModelBackend {
             Some(_) => pick(&probs, temperature, &mut rng, Some(ask)),
             None => pick(&probs, temperature, &mut rng, None),
         };
-        seq.feed(&self.model, &names[choice])?;
+        seq.feed(&names[choice])?;
         let mut text = format!("{{\"action\":\"{}\"", ACTION_NAMES[choice]);
         let mut generated = names[choice].len();
         let budget = max_tokens.saturating_sub(generated);
@@ -322,6 +382,7 @@ impl ModelBackend {
             usage: Usage {
                 prompt_tokens: ids.len() - prefix.len(),
                 image_tokens: counts.iter().sum(),
+                cached_tokens: cached,
                 completion_tokens: prefix.len() + generated,
             },
             timings: Timings { queue_ms: 0.0, preprocess_ms, prefill_ms, decode_ms },
@@ -330,7 +391,7 @@ impl ModelBackend {
 
     fn force(&self, dec: &mut Decoding, text: &mut String, lit: &str) -> Result<(), BackendError> {
         let toks = self.tokenizer.encode(lit).map_err(model_err)?;
-        dec.seq.feed(&self.model, &toks)?;
+        dec.seq.feed(&toks)?;
         dec.generated += toks.len();
         text.push_str(lit);
         Ok(())
@@ -355,7 +416,7 @@ impl ModelBackend {
             }
             let (v, l) = self.digit_token[tok as usize].expect("a digit token");
             (value, len) = (value * 10u64.pow(l) + v, len + l);
-            dec.seq.feed(&self.model, &[tok])?;
+            dec.seq.feed(&[tok])?;
             dec.generated += 1;
         }
         if len == 0 {
@@ -382,7 +443,7 @@ impl ModelBackend {
             }
             let tok = if dec.temperature > 0.0 { dec.sample(|i| self.string_token[i]) } else { tok };
             text.push_str(&self.tokenizer.decode(&[tok], false).map_err(model_err)?);
-            dec.seq.feed(&self.model, &[tok])?;
+            dec.seq.feed(&[tok])?;
             dec.generated += 1;
             n += 1;
         }
@@ -395,10 +456,10 @@ impl ModelBackend {
             .iter()
             .map(|o| self.tokenizer.encode(&format!("{o}{after}")).map_err(model_err))
             .collect::<Result<_, _>>()?;
-        let logp: Vec<f64> = toks.iter().map(|t| dec.seq.logprob(&self.model, t)).collect::<Result<_, _>>()?;
+        let logp = dec.seq.logprobs(&toks)?;
         let probs = normalise(&logp);
         let i = pick(&probs, dec.temperature, &mut dec.rng, None);
-        dec.seq.feed(&self.model, &toks[i])?;
+        dec.seq.feed(&toks[i])?;
         dec.generated += toks[i].len();
         text.push_str(options[i]);
         text.push_str(after);
@@ -478,7 +539,7 @@ impl ModelBackend {
                 break;
             }
             toks.push(tok);
-            dec.seq.feed(&self.model, &[tok])?;
+            dec.seq.feed(&[tok])?;
             dec.generated += 1;
             text.truncate(start);
             text.push_str(&self.tokenizer.decode(&toks, true).map_err(model_err)?);
@@ -490,8 +551,9 @@ impl ModelBackend {
     }
 
     /// One chat completion, streaming text pieces to `stream`.
-    pub fn chat(
-        &mut self,
+    fn chat(
+        &self,
+        client: &Client,
         job: &ChatJob,
         stream: Option<&tokio::sync::mpsc::UnboundedSender<String>>,
         cancelled: &dyn Fn() -> bool,
@@ -517,13 +579,11 @@ impl ModelBackend {
             messages.push(Message::new(role, content));
         }
         let text = render_chat(&messages, true);
-        let merge = self.model.image_config.geometry.merge_size;
+        let merge = self.image_config.geometry.merge_size;
         let counts: Vec<usize> = images.iter().map(|(_, i)| i.num_tokens(merge)).collect();
         let ids = self.tokenizer.encode_prompt(&text, &counts).map_err(model_err)?;
         self.check_context(ids.len(), job.max_tokens)?;
-        let feats = self.image_features(&images)?;
-        let grids: Vec<[usize; 3]> = images.iter().map(|(_, i)| i.grid_thw).collect();
-        let seq = Seq::prefill(&self.model, &ids, &grids, feats.as_ref())?;
+        let (seq, _) = Seq::prefill(self, client, &ids, &images)?;
         let rng = StdRng::seed_from_u64(job.seed.unwrap_or(0));
         let mut dec =
             Decoding { seq, temperature: job.temperature, rng, budget: job.max_tokens, generated: 0, cancelled };
@@ -555,7 +615,7 @@ impl ModelBackend {
                 sent = safe;
             }
             if dec.generated < dec.budget {
-                dec.seq.feed(&self.model, &[tok])?;
+                dec.seq.feed(&[tok])?;
             }
         }
         if let Some(s) = stream {
@@ -567,31 +627,215 @@ impl ModelBackend {
     }
 }
 
-impl Backend for ModelBackend {
-    fn info(&self) -> BackendInfo {
-        self.info.clone()
-    }
-
-    fn run(&mut self, jobs: Vec<Job>) {
-        for job in jobs {
-            if job.is_cancelled() {
-                let _ = job.reply.send(Err(BackendError::Cancelled));
-                continue;
-            }
-            let queue_ms = job.enqueued.elapsed().as_secs_f64() * 1e3;
-            let cancelled = || job.is_cancelled();
-            let result = self.use_adapter(job.adapter.as_deref()).and_then(|()| match &job.kind {
-                JobKind::Step(s) => self.step(s, &cancelled).map(|mut r| {
+impl Decoder {
+    /// Answers one job (on its own thread), through `client` for the model's work.
+    fn answer(&self, client: &Client, job: Job) {
+        if job.is_cancelled() {
+            let _ = job.reply.send(Err(BackendError::Cancelled));
+            return;
+        }
+        let queue_ms = job.enqueued.elapsed().as_secs_f64() * 1e3;
+        let cancelled = || job.is_cancelled();
+        let work = || {
+            self.check_adapter(job.adapter.as_deref())?;
+            match &job.kind {
+                JobKind::Step(s) => self.step(client, s, &cancelled).map(|mut r| {
                     r.timings.queue_ms = queue_ms;
                     JobOutput::Step(Box::new(r))
                 }),
-                JobKind::Chat(c) => self.chat(c, job.stream.as_ref(), &cancelled).map(JobOutput::Chat),
-            });
-            if let Err(e) = &result {
-                tracing::debug!(error = %e, "job failed");
+                JobKind::Chat(c) => self.chat(client, c, job.stream.as_ref(), &cancelled).map(JobOutput::Chat),
             }
-            let _ = job.reply.send(result);
+        };
+        let result = catch_unwind(AssertUnwindSafe(work)).unwrap_or_else(|p| {
+            let msg = crate::engine::panic_message(p.as_ref());
+            tracing::error!(panic = %msg, "a job panicked; it gets 500");
+            Err(BackendError::Internal(format!("the backend failed on this request: {msg}")))
+        });
+        if let Err(e) = &result {
+            tracing::debug!(error = %e, "job failed");
         }
+        let _ = job.reply.send(result);
+    }
+}
+
+impl Backend for ModelBackend {
+    fn info(&self) -> BackendInfo {
+        self.decoder.info.clone()
+    }
+
+    fn run(&mut self, jobs: Vec<Job>) {
+        self.run_continuous(jobs, &mut crate::backend::NoIntake);
+    }
+
+    /// Every job on a thread of its own; this thread runs their forwards, packed, and takes in new jobs
+    /// between forwards while fewer than `max_batch` are live.
+    fn run_continuous(&mut self, jobs: Vec<Job>, intake: &mut dyn Intake) {
+        let batcher = Batcher::default();
+        let Self { runner, decoder } = self;
+        let decoder = &*decoder;
+        std::thread::scope(|s| {
+            let start = |job: Job| {
+                batcher.job_started();
+                let batcher = &batcher;
+                let body = move || decoder.answer(&Client::new(batcher, job.adapter.clone()), job);
+                if let Err(e) = std::thread::Builder::new().name("askgui-job".into()).spawn_scoped(s, body) {
+                    // The job (and its reply sender) went with the closure: its client gets a 500.
+                    tracing::error!(error = %e, "cannot start a job thread");
+                    batcher.not_started();
+                }
+            };
+            jobs.into_iter().for_each(start);
+            runner.serve(&batcher, intake, &start);
+        });
+    }
+}
+
+impl Runner {
+    /// Runs rounds until no job is live. Between rounds, new jobs from `intake` (while fewer than its
+    /// `max_batch` are live) are started with `start`; each forward's size is recorded there.
+    fn serve(&mut self, batcher: &Batcher, intake: &mut dyn Intake, start: &dyn Fn(Job)) {
+        loop {
+            let (live, max) = (batcher.live(), intake.max_batch().max(1));
+            if live < max {
+                intake.take(max - live).into_iter().for_each(start);
+            }
+            match batcher.next_round(ROUND_WAIT) {
+                Round::Run(tickets) => self.round(tickets, intake),
+                Round::Idle => {}
+                Round::Done => break,
+            }
+        }
+    }
+
+    /// One round: tickets grouped by adapter (an adapter is a model-wide switch), each group in packed
+    /// forwards of at most [`MAX_PACK_TOKENS`] new tokens.
+    fn round(&mut self, tickets: Vec<Ticket>, intake: &mut dyn Intake) {
+        let mut groups: Vec<(Option<String>, Vec<Ticket>)> = Vec::new();
+        for t in tickets {
+            match groups.iter_mut().find(|(a, _)| *a == t.adapter) {
+                Some((_, g)) => g.push(t),
+                None => groups.push((t.adapter.clone(), vec![t])),
+            }
+        }
+        for (adapter, group) in groups {
+            if let Err(e) = self.model.set_active_adapter(adapter.as_deref()).map_err(model_err) {
+                group.into_iter().for_each(|t| drop(t.reply.send(Err(e.clone()))));
+                continue;
+            }
+            let mut pack = Vec::new();
+            let mut rows = 0;
+            for t in group {
+                let n: usize = t.items.iter().map(|i| i.ids.len()).sum();
+                if !pack.is_empty() && rows + n > MAX_PACK_TOKENS {
+                    self.pack(std::mem::take(&mut pack), intake);
+                    rows = 0;
+                }
+                rows += n;
+                pack.push(t);
+            }
+            if !pack.is_empty() {
+                self.pack(pack, intake);
+            }
+        }
+    }
+
+    /// One packed forward over every item of `tickets`; each ticket gets its answers or the error. A
+    /// ticket whose input cannot be embedded fails alone; a failing (or panicking) forward fails the pack.
+    fn pack(&mut self, tickets: Vec<Ticket>, intake: &mut dyn Intake) {
+        let mut ready = Vec::with_capacity(tickets.len());
+        for t in tickets {
+            match t.items.iter().map(|it| self.embed(it)).collect::<Result<Vec<_>, _>>() {
+                Ok(embeds) => ready.push((t, embeds)),
+                Err(e) => drop(t.reply.send(Err(e))),
+            }
+        }
+        if ready.is_empty() {
+            return;
+        }
+        intake.record_batch(ready.iter().map(|(t, _)| t.items.len()).sum());
+        let out = catch_unwind(AssertUnwindSafe(|| self.forward(&mut ready))).unwrap_or_else(|p| {
+            Err(BackendError::Internal(format!("the forward panicked: {}", crate::engine::panic_message(p.as_ref()))))
+        });
+        match out {
+            Ok(mut logits) => {
+                for (t, _) in ready.into_iter().rev() {
+                    let mine = logits.split_off(logits.len() - t.items.len());
+                    let outs = t.items.into_iter().zip(mine).map(|(i, logits)| ItemOut { cache: i.cache, logits });
+                    let _ = t.reply.send(Ok(outs.collect()));
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, sequences = ready.len(), "a packed forward failed");
+                ready.into_iter().for_each(|(t, _)| drop(t.reply.send(Err(e.clone()))));
+            }
+        }
+    }
+
+    /// An item's new tokens as embeddings `(1, T, H)`, its image features spliced in.
+    fn embed(&mut self, item: &Item) -> Result<Tensor, BackendError> {
+        if item.ids.is_empty() || item.ids.len() != item.positions.len() || item.logits_rows > item.ids.len() {
+            return Err(BackendError::Internal(format!(
+                "a forward item with {} tokens, {} positions and {} logit rows",
+                item.ids.len(),
+                item.positions.len(),
+                item.logits_rows
+            )));
+        }
+        let feats = self.image_features(&item.images)?;
+        let ids = Tensor::from_slice(&item.ids, (1, item.ids.len()), &self.model.device).map_err(candle_err)?;
+        self.model.embed(&ids, feats.as_ref()).map_err(model_err)
+    }
+
+    /// The packed forward: every item's new rows back to back, each over its own cache (appended in
+    /// place); the logits of each item's last `logits_rows` rows, in item order.
+    fn forward(&mut self, ready: &mut [(Ticket, Vec<Tensor>)]) -> Result<Vec<Vec<Vec<f32>>>, BackendError> {
+        let embeds: Vec<&Tensor> = ready.iter().flat_map(|(_, e)| e).collect();
+        let embeds = Tensor::cat(&embeds, 1).map_err(candle_err)?;
+        let items: Vec<&mut Item> = ready.iter_mut().flat_map(|(t, _)| t.items.iter_mut()).collect();
+        let lens: Vec<usize> = items.iter().map(|i| i.ids.len()).collect();
+        let positions: Vec<[u32; 3]> = items.iter().flat_map(|i| i.positions.iter().copied()).collect();
+        let total = positions.len();
+        let positions = positions_tensor(&[positions], total).map_err(model_err)?;
+        // Rows whose logits are wanted, in the packed order.
+        let mut rows = Vec::new();
+        let mut start = 0;
+        for i in &items {
+            rows.extend((start + i.ids.len() - i.logits_rows..start + i.ids.len()).map(|r| r as u32));
+            start += i.ids.len();
+        }
+        let wanted: Vec<usize> = items.iter().map(|i| i.logits_rows).collect();
+        let mut caches: Vec<&mut KvCache> = items.into_iter().map(|i| &mut i.cache).collect();
+        let hidden = self.model.decode_packed(&embeds, &positions, &lens, &mut caches).map_err(model_err)?;
+        // (1, N, H) -> (R, H) -> (R, V)
+        let idx = Tensor::from_vec(rows, wanted.iter().sum::<usize>(), &self.model.device).map_err(candle_err)?;
+        let picked = hidden.squeeze(0).and_then(|h| h.index_select(&idx, 0)).map_err(candle_err)?;
+        let logits = self.model.logits(&picked).map_err(model_err)?;
+        let mut logits = logits.to_dtype(DType::F32).and_then(|l| l.to_vec2::<f32>()).map_err(candle_err)?.into_iter();
+        Ok(wanted.iter().map(|&n| logits.by_ref().take(n).collect()).collect())
+    }
+
+    /// The vision tower's output for the images, in order, each cached by (hash, active adapter). Each
+    /// image attends only to itself, so encoding them one by one equals encoding them together.
+    fn image_features(&mut self, images: &[(u64, Arc<ProcessedImage>)]) -> Result<Option<Tensor>, BackendError> {
+        if images.is_empty() {
+            return Ok(None);
+        }
+        let adapter = self.model.active_adapter().map(String::from);
+        let mut parts = Vec::with_capacity(images.len());
+        for (hash, img) in images {
+            let key = (*hash, adapter.clone());
+            let f = match self.features.get(&key) {
+                Some(f) => f,
+                None => {
+                    let pv = img.pixel_tensor(&self.model.device).map_err(model_err)?;
+                    let f = self.model.image_features(&pv, &[img.grid_thw]).map_err(model_err)?;
+                    self.features.insert(key, f.clone(), f.elem_count() * f.dtype().size_in_bytes());
+                    f
+                }
+            };
+            parts.push(f);
+        }
+        Ok(Some(Tensor::cat(&parts, 0).map_err(candle_err)?))
     }
 }
 
@@ -645,7 +889,7 @@ fn best(logits: &[f32], allowed: impl Fn(usize) -> bool) -> Option<(u32, f32)> {
 
 /// The state of one answer being decoded.
 struct Decoding<'a> {
-    seq: Seq,
+    seq: Seq<'a>,
     temperature: f64,
     rng: StdRng,
     /// Tokens the answer may still take, counted by `generated`.
@@ -692,86 +936,99 @@ impl Decoding<'_> {
     }
 }
 
-/// One sequence on the model: its KV cache, the next M-RoPE position and the logits for the next token.
-struct Seq {
+/// One sequence being decoded: its KV cache, the next M-RoPE position and the logits for the next token.
+/// Its model work goes through the job's [`Client`].
+struct Seq<'c> {
+    client: &'c Client<'c>,
     cache: KvCache,
     next: u32,
     logits: Vec<f32>,
 }
 
-impl Seq {
-    /// Prefills `ids` whose images have `grids` and vision features `feats`.
+impl<'c> Seq<'c> {
+    /// Prefills the prompt `ids` with its `images`, starting from the longest cached prefix; returns the
+    /// sequence and how many prompt tokens came from the cache.
     fn prefill(
-        model: &Qwen2Vl,
+        d: &Decoder,
+        client: &'c Client<'c>,
         ids: &[u32],
-        grids: &[[usize; 3]],
-        feats: Option<&Tensor>,
-    ) -> Result<Self, BackendError> {
-        let dev = &model.device;
-        let t = ids.len();
-        let ids_t = Tensor::from_slice(ids, (1, t), dev).map_err(candle_err)?;
-        let embeds = model.embed(&ids_t, feats).map_err(model_err)?;
-        let (pos, next) = mrope_positions(ids, grids, &model.cfg).map_err(model_err)?;
-        let mut cache = model.new_cache();
-        let hidden = model
-            .decode(&embeds, &positions_tensor(&[pos], t).map_err(model_err)?, None, &mut cache)
-            .map_err(model_err)?;
-        let last = hidden.narrow(1, t - 1, 1).map_err(candle_err)?;
-        let logits = Self::row(model, &last)?;
-        Ok(Self { cache, next, logits })
+        images: &[(u64, Arc<ProcessedImage>)],
+    ) -> Result<(Self, usize), BackendError> {
+        let grids: Vec<[usize; 3]> = images.iter().map(|(_, i)| i.grid_thw).collect();
+        let (pos, next) = mrope_positions(ids, &grids, &d.cfg).map_err(model_err)?;
+        let hashes: Vec<u64> = images.iter().map(|(h, _)| *h).collect();
+        let key = prompt_key(ids, d.cfg.image_token_id, &hashes);
+        let adapter = client.adapter.as_deref();
+        let found = d.prefixes.lock().unwrap_or_else(|p| p.into_inner()).lookup(adapter, &key);
+        let (start, cache) = found.unwrap_or_default();
+        let item = Item {
+            ids: ids[start..].to_vec(),
+            positions: pos[start..].to_vec(),
+            images: images[images_before(&key, start)..].to_vec(),
+            cache,
+            logits_rows: 1,
+        };
+        let ItemOut { cache, mut logits } = one(client.run(vec![item])?)?;
+        d.prefixes.lock().unwrap_or_else(|p| p.into_inner()).insert(adapter, key, cache.clone());
+        let logits = logits.pop().unwrap_or_default();
+        Ok((Self { client, cache, next, logits }, start))
     }
 
-    /// `(1, 1, H)` hidden state -> its logits.
-    fn row(model: &Qwen2Vl, h: &Tensor) -> Result<Vec<f32>, BackendError> {
-        model
-            .logits(h)
-            .map_err(model_err)?
-            .flatten_all()
-            .and_then(|l| l.to_dtype(DType::F32))
-            .and_then(|l| l.to_vec1::<f32>())
-            .map_err(candle_err)
-    }
-
-    /// Runs `tokens` through the model; returns the `(n, H)` hidden states.
-    fn forward(&mut self, model: &Qwen2Vl, tokens: &[u32]) -> Result<Tensor, BackendError> {
-        let dev = &model.device;
-        let n = tokens.len();
-        let ids = Tensor::from_slice(tokens, (1, n), dev).map_err(candle_err)?;
-        let emb = model.embed(&ids, None).map_err(model_err)?;
-        let pos: Vec<[u32; 3]> = (0..n as u32).map(|i| [self.next + i; 3]).collect();
-        let h = model
-            .decode(&emb, &positions_tensor(&[pos], n).map_err(model_err)?, None, &mut self.cache)
-            .map_err(model_err)?;
-        self.next += n as u32;
-        Ok(h)
+    /// An item running `tokens` after this sequence (on a copy of its cache), with logits for its last
+    /// `logits_rows` rows.
+    fn item(&self, tokens: &[u32], logits_rows: usize) -> Item {
+        Item {
+            ids: tokens.to_vec(),
+            positions: (0..tokens.len() as u32).map(|i| [self.next + i; 3]).collect(),
+            images: vec![],
+            cache: self.cache.clone(),
+            logits_rows,
+        }
     }
 
     /// Appends `tokens` to the sequence.
-    fn feed(&mut self, model: &Qwen2Vl, tokens: &[u32]) -> Result<(), BackendError> {
+    fn feed(&mut self, tokens: &[u32]) -> Result<(), BackendError> {
         if tokens.is_empty() {
             return Ok(());
         }
-        let h = self.forward(model, tokens)?;
-        let n = tokens.len();
-        self.logits = Self::row(model, &h.narrow(1, n - 1, 1).map_err(candle_err)?)?;
+        let ItemOut { cache, mut logits } = one(self.client.run(vec![self.item(tokens, 1)])?)?;
+        self.cache = cache;
+        self.next += tokens.len() as u32;
+        self.logits = logits.pop().unwrap_or_default();
         Ok(())
     }
 
-    /// `log p(tokens | sequence)`, without changing the sequence (a copy of the cache is extended).
-    fn logprob(&self, model: &Qwen2Vl, tokens: &[u32]) -> Result<f64, BackendError> {
-        let Some((&first, rest)) = tokens.split_first() else { return Ok(0.0) };
-        let mut total = log_softmax_at(&self.logits, first);
-        if !rest.is_empty() {
-            let mut fork = Seq { cache: self.cache.clone(), next: self.next, logits: vec![] };
-            // Logits after each of tokens[..n-1] score tokens[1..].
-            let h = fork.forward(model, &tokens[..tokens.len() - 1])?;
-            let logits = model.logits(&h).map_err(model_err)?.squeeze(0).map_err(candle_err)?;
-            let lsm = log_softmax_rows(&logits)?;
-            for (row, &tok) in lsm.iter().zip(rest) {
-                total += row[tok as usize] as f64;
+    /// `log p(option | sequence)` for each option, without changing the sequence: the options of more
+    /// than one token run together in one forward, each on a copy of the cache.
+    fn logprobs(&self, options: &[Vec<u32>]) -> Result<Vec<f64>, BackendError> {
+        // Logits after each of option[..n-1] score option[1..].
+        let forks: Vec<Item> =
+            options.iter().filter(|o| o.len() > 1).map(|o| self.item(&o[..o.len() - 1], o.len() - 1)).collect();
+        let mut outs = if forks.is_empty() { Vec::new() } else { self.client.run(forks)? }.into_iter();
+        let mut total = Vec::with_capacity(options.len());
+        for o in options {
+            let Some((&first, rest)) = o.split_first() else {
+                total.push(0.0);
+                continue;
+            };
+            let mut l = log_softmax_at(&self.logits, first);
+            if !rest.is_empty() {
+                let out = outs.next().ok_or_else(|| BackendError::Internal("a scoring forward went missing".into()))?;
+                for (row, &tok) in out.logits.iter().zip(rest) {
+                    l += log_softmax_at(row, tok);
+                }
             }
+            total.push(l);
         }
         Ok(total)
+    }
+}
+
+/// The single answer of a one-item request.
+fn one(mut outs: Vec<ItemOut>) -> Result<ItemOut, BackendError> {
+    match (outs.pop(), outs.is_empty()) {
+        (Some(out), true) => Ok(out),
+        _ => Err(BackendError::Internal("a forward answered the wrong number of items".into())),
     }
 }
 
@@ -779,13 +1036,4 @@ fn log_softmax_at(logits: &[f32], tok: u32) -> f64 {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let s: f64 = logits.iter().map(|&v| (v as f64 - m).exp()).sum();
     logits[tok as usize] as f64 - m - s.ln()
-}
-
-/// Row-wise log-softmax of `(n, V)` logits, as rows of f32.
-fn log_softmax_rows(logits: &Tensor) -> Result<Vec<Vec<f32>>, BackendError> {
-    let l = logits.to_dtype(DType::F32).map_err(candle_err)?;
-    let m = l.max_keepdim(D::Minus1).map_err(candle_err)?;
-    let shifted = l.broadcast_sub(&m).map_err(candle_err)?;
-    let lse = shifted.exp().and_then(|e| e.sum_keepdim(D::Minus1)).and_then(|s| s.log()).map_err(candle_err)?;
-    shifted.broadcast_sub(&lse).and_then(|t| t.to_vec2::<f32>()).map_err(candle_err)
 }

@@ -154,7 +154,7 @@ impl StubBackend {
             model_action,
             frame: FrameInfo::from(&frame),
             ask_probability: Some(if req.task.contains('?') && !answered { 0.9 } else { 0.1 }),
-            usage: Usage { prompt_tokens, image_tokens, completion_tokens: words(&raw) },
+            usage: Usage { prompt_tokens, image_tokens, completion_tokens: words(&raw), cached_tokens: 0 },
             timings: Timings { queue_ms: job.enqueued.elapsed().as_secs_f64() * 1e3, ..Default::default() },
             raw,
         })))

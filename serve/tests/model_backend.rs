@@ -1,15 +1,20 @@
 //! The model backend on the tiny random Qwen2.5-VL checkpoint of the model tests: the action-name
 //! distribution (and so `ask_probability`) against the model's plain full-sequence forward, constrained
-//! answers that always parse, `pause_threshold`, adapters, and chat streaming.
+//! answers that always parse, `pause_threshold`, adapters, chat streaming, continuous batching (packed
+//! jobs answer what they answer alone) and the prefix cache.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use askgui_data::action::Action;
+use askgui_data::action::Turn;
 use askgui_data::action::ACTION_NAMES;
+use askgui_data::agent_api::AgentStepResponse;
 use askgui_data::agent_api::{AgentStepRequest, StepOptions};
 use askgui_model::{preprocess, LoraConfig, Qwen2Vl};
 use askgui_serve::backend::{
-    ChatJob, ChatMessage, ChatPart, ChatRole, FinishReason, ImageInput, Job, JobKind, StepJob,
+    Backend, BackendError, ChatJob, ChatMessage, ChatPart, ChatRole, FinishReason, ImageInput, Intake, Job, JobKind,
+    JobOutput, StepJob,
 };
 use askgui_serve::model_backend::ModelBackend;
 use candle_core::{DType, Device};
@@ -169,7 +174,125 @@ fn adapters_are_chosen_per_job() -> anyhow::Result<()> {
         Err(e) => assert!(e.to_string().contains("unknown adapter `nope`; this server has: probe"), "{e}"),
         Ok(r) => panic!("an unknown adapter answered {r:?}"),
     }
-    assert_eq!(base.ask_probability, again.ask_probability, "the base model after an adapter job");
+    // The second base job reuses the first one's prompt from the prefix cache, so it runs a different
+    // (shorter) prefill: equal up to float reassociation.
+    let (a, b) = (base.ask_probability.unwrap(), again.ask_probability.unwrap());
+    assert!((a - b).abs() <= 1e-6, "the base model after an adapter job: {a} vs {b}");
+    Ok(())
+}
+
+/// Records what the backend took and packed, and hands it more jobs while it runs.
+struct Recorder {
+    later: Vec<Job>,
+    batches: Vec<usize>,
+}
+
+impl Intake for Recorder {
+    fn take(&mut self, max: usize) -> Vec<Job> {
+        let n = self.later.len().min(max);
+        self.later.drain(..n).collect()
+    }
+    fn record_batch(&mut self, sequences: usize) {
+        self.batches.push(sequences);
+    }
+    fn max_batch(&self) -> usize {
+        16
+    }
+}
+
+fn step_of(out: Result<JobOutput, BackendError>) -> AgentStepResponse {
+    match out {
+        Ok(JobOutput::Step(r)) => *r,
+        other => panic!("not a step answer: {other:?}"),
+    }
+}
+
+/// Continuous batching: eight jobs (two tasks, base and adapter, two temperatures) started together and
+/// four more handed in while they run answer exactly what each answers alone, and the forwards really
+/// pack several sequences. Tolerance 1e-5 on `ask_probability`: packing changes GEMM row counts only.
+#[test]
+fn packed_jobs_answer_what_they_answer_alone() -> anyhow::Result<()> {
+    let mut b = backend(true)?.with_prefix_cache(0);
+    let kinds: Vec<(String, Option<String>, StepOptions)> = (0..12)
+        .map(|i| {
+            let task = if i % 2 == 0 { "Call mum" } else { "Find the cheapest flight to Oslo" };
+            let adapter = (i % 3 == 0).then(|| "probe".to_string());
+            let opts = StepOptions {
+                temperature: Some([0.0, 1.0][i % 2]),
+                seed: Some(i as u64),
+                max_tokens: Some(24),
+                ..Default::default()
+            };
+            (task.to_string(), adapter, opts)
+        })
+        .collect();
+    let jobs =
+        || kinds.iter().map(|(t, a, o)| Job::new(JobKind::Step(step_job(t, o.clone())), a.clone())).collect::<Vec<_>>();
+    let mut alone = Vec::new();
+    for (job, rx) in jobs() {
+        Backend::run(&mut b, vec![job]);
+        alone.push(step_of(rx.blocking_recv()?));
+    }
+    let (mut first, rxs): (Vec<Job>, Vec<_>) = jobs().into_iter().unzip();
+    let later = first.split_off(8);
+    let mut intake = Recorder { later, batches: vec![] };
+    b.run_continuous(first, &mut intake);
+    for (i, rx) in rxs.into_iter().enumerate() {
+        let r = step_of(rx.blocking_recv()?);
+        let (p, q) = (r.ask_probability.unwrap(), alone[i].ask_probability.unwrap());
+        assert!((p - q).abs() <= 1e-5, "job {i}: ask_probability {p} packed vs {q} alone");
+        assert_eq!(r.raw, alone[i].raw, "job {i}: the same answer");
+    }
+    let most = intake.batches.iter().max().copied().unwrap_or(0);
+    eprintln!("{} forwards, most sequences in one: {most}", intake.batches.len());
+    assert!(most >= 8, "forwards should pack the live jobs together: {:?}", intake.batches);
+    Ok(())
+}
+
+/// The prefix cache: a repeated prompt prefills one token, the step after an ask prefills only the
+/// question and the answer (the screenshot is reused), another screenshot is not mistaken for the same
+/// one, and the answers equal those without the cache.
+#[test]
+fn prompt_prefixes_are_reused_only_where_they_match() -> anyhow::Result<()> {
+    let mut b = backend(false)?;
+    let mut cold = backend(false)?.with_prefix_cache(0);
+    let opts = StepOptions { max_tokens: Some(16), ..Default::default() };
+    let first = b.step(&step_job("Buy milk", opts.clone()), NEVER)?;
+    assert_eq!(first.usage.cached_tokens, 0);
+    let again = b.step(&step_job("Buy milk", opts.clone()), NEVER)?;
+    let prompt = again.usage.prompt_tokens + 4; // + the forced `{"action":"` tokens
+    assert!(again.usage.cached_tokens + 8 >= prompt, "a repeat reuses all but the end: {:?}", again.usage);
+    let want = cold.step(&step_job("Buy milk", opts.clone()), NEVER)?;
+    assert!((again.ask_probability.unwrap() - want.ask_probability.unwrap()).abs() <= 1e-6);
+    assert_eq!(want.usage.cached_tokens, 0, "no reuse with the cache off");
+
+    // After an ask: the same system, task and screenshot, then the question and the answer.
+    let mut after = step_job("Buy milk", opts.clone());
+    after.request.history = vec![
+        Turn::Agent {
+            action: Action::Ask(askgui_data::action::Ask {
+                question: "Which brand?".into(),
+                options: vec![],
+                kind: None,
+            }),
+        },
+        Turn::Say { text: "Any".into() },
+    ];
+    let r = b.step(&after, NEVER)?;
+    eprintln!("after an ask: {:?}", r.usage);
+    assert!(r.usage.cached_tokens > r.usage.image_tokens, "the screenshot is reused: {:?}", r.usage);
+    let want = cold.step(&after, NEVER)?;
+    assert!((r.ask_probability.unwrap() - want.ask_probability.unwrap()).abs() <= 1e-6);
+
+    // Same words, another screenshot of the same size: reuse stops before the image.
+    let mut other = step_job("Buy milk", opts.clone());
+    let shot = other.screenshot.as_mut().unwrap();
+    shot.hash ^= 1;
+    shot.image = Arc::new(image::RgbImage::from_pixel(200, 150, image::Rgb([200, 10, 10])));
+    let r = b.step(&other, NEVER)?;
+    assert!(r.usage.cached_tokens < r.usage.prompt_tokens - r.usage.image_tokens, "{:?}", r.usage);
+    let want = cold.step(&other, NEVER)?;
+    assert!((r.ask_probability.unwrap() - want.ask_probability.unwrap()).abs() <= 1e-6);
     Ok(())
 }
 

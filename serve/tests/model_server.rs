@@ -33,6 +33,7 @@ fn server() -> ServerHandle {
     let backend_cfg = ModelBackendConfig {
         model: ckpt,
         adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
+        prefix_cache_bytes: cfg.prefix_cache_mb << 20,
     };
     let factory = Box::new(move || {
         let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&backend_cfg)?);
