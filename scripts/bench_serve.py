@@ -17,11 +17,13 @@ the same prompt length and answer length, at concurrency 1 and 16.
   in one generate call (left padding); every request of a batch has the batch's wall time as latency and
   actions/s = c / batch time: transformers' best case for throughput, not a server.
 
-Why the comparison is only roughly like for like: askgui-serve runs the jobs of a batch one after
-another (no batched decoding yet) and decodes the action name by scoring all 15 names from a copy of
-the KV cache (extra forwards), then the arguments under a schema template (forced keys count towards
-its completion tokens, and the template may exceed max_tokens); it also feeds the 11-token forced
-prefix `{"action":"` after the prompt. Transformers generates free text. So this measures next-action
+Why the comparison is only roughly like for like: askgui-serve batches concurrent requests continuously
+(one packed forward per step over every live request) and decodes the action name by scoring all 15
+names from copies of the KV cache (extra rows in those forwards), then the arguments under a schema
+template (forced keys count towards its completion tokens, and the template may exceed max_tokens); it
+also feeds the 11-token forced prefix `{"action":"` after the prompt. Its prefix cache reuses the prompt
+text before the screenshot across requests (set ASKGUI_SERVE_PREFIX_CACHE_MB=0 in the environment to
+measure without it: transformers has no such cache). Transformers generates free text. So this measures next-action
 latency for the same prompt size and answer budget, not identical work.
 
 Output: one JSON line on stdout; progress on stderr. Run with the venv that has torch + transformers:
@@ -303,8 +305,10 @@ def main() -> int:
         "transformers": hf,
         "ratios": ratios(ask, hf, levels),
         "seconds": {"askgui": round(t1 - t0, 1), "transformers": round(t2 - t1, 1)},
+        "prefix_cache_mb": os.environ.get("ASKGUI_SERVE_PREFIX_CACHE_MB", "256 (default)"),
         "note": (
-            "askgui-serve runs the jobs of a batch one after another (no batched decoding yet) and decodes the "
+            "askgui-serve batches concurrent requests continuously (packed forwards), reuses cached prompt "
+            "prefixes unless ASKGUI_SERVE_PREFIX_CACHE_MB=0 (prefix_cache_mb below), and decodes the "
             "action name by scoring all 15 names (extra forwards), then schema-constrained arguments (its "
             "completion_tokens include the 11-token forced prefix and template keys); transformers generates "
             "exactly max_tokens free-text tokens. transformers at c>1 is one batched generate call per c "

@@ -95,6 +95,11 @@ fn agent_step_session_adapters_and_chat_over_http() {
     let turns = got["history"].as_array().expect("history");
     assert_eq!(turns.len(), 2, "{got}");
     assert_eq!(turns[1], json!({"turn": "say", "text": "Oat milk, one litre."}));
+    // The step after the answer prefills only the question and the answer: the screenshot is reused.
+    let (code, b) = post(&h, &format!("/v1/sessions/{id}/step"), obs.clone());
+    assert_eq!(code, 200, "{b}");
+    let (cached, image) = (b["usage"]["cached_tokens"].as_u64().unwrap(), b["usage"]["image_tokens"].as_u64().unwrap());
+    assert!(cached > image && image > 0, "the session's prefix was not reused: {}", b["usage"]);
     assert_eq!(ureq::delete(&h.url(&format!("/v1/sessions/{id}"))).call().unwrap().status(), 204);
     let (code, _) = post(&h, &format!("/v1/sessions/{id}/step"), obs);
     assert_eq!(code, 404);
