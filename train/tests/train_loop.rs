@@ -1,0 +1,265 @@
+//! End to end on the tiny random Qwen2.5-VL fixture with synthetic episodes from askgui-data: the loss
+//! falls, a stopped and resumed run repeats the uninterrupted one, bad records are reported with their
+//! line or skipped and counted, long samples are truncated and counted, and a non-finite loss stops the
+//! run with the last good checkpoint intact.
+//!
+//! Images are kept tiny (`--max-pixels 12544`: a few patches each) so that each test runs in seconds.
+
+use std::path::{Path, PathBuf};
+
+use askgui_data::synth::{synth, SynthArgs};
+use askgui_data::PromptConfig;
+use askgui_model::{ImageProcessorConfig, QwenTokenizer};
+use askgui_train::checkpoint;
+use askgui_train::config::from_args;
+use askgui_train::data::{self, DataOptions};
+use askgui_train::{TrainConfig, TrainError};
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl")
+}
+
+/// A fresh folder under the target's tmp dir.
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("askgui-train-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `episodes` synthetic episodes (train split only) in `dir`; returns the JSONL path.
+fn episodes(dir: &Path, episodes: usize) -> PathBuf {
+    synth(&SynthArgs { out: dir.into(), episodes, seed: 11, width: 224, height: 400, split: "1:0:0".into() })
+        .expect("synth");
+    dir.join("train.jsonl")
+}
+
+/// The config the binary would resolve from these flags (plus the fixture and tiny images).
+fn config(data: &Path, out: &Path, flags: &[&str]) -> TrainConfig {
+    let (m, d, o) = (fixture(), data.to_path_buf(), out.to_path_buf());
+    let mut argv: Vec<String> = ["askgui-train", "--model"].map(String::from).to_vec();
+    argv.push(m.display().to_string());
+    argv.extend(["--data".into(), d.display().to_string(), "--output-dir".into(), o.display().to_string()]);
+    argv.extend(["--max-pixels", "12544", "--progress", "false"].map(String::from));
+    argv.extend(flags.iter().map(|s| s.to_string()));
+    from_args(argv).unwrap().0
+}
+
+/// The fixture's tokenizer and image processor with the tests' small max_pixels.
+fn tokenizer_and_images() -> (QwenTokenizer, ImageProcessorConfig) {
+    let tok = QwenTokenizer::from_file(&fixture().join("tokenizer.json"), None).unwrap();
+    let mut images = ImageProcessorConfig::from_file(&fixture().join("preprocessor_config.json")).unwrap();
+    images.max_pixels = 12544;
+    (tok, images)
+}
+
+/// What the trainer passes to the data loader for default flags and the tests' max_pixels.
+fn data_options() -> DataOptions {
+    let (_, images) = tokenizer_and_images();
+    DataOptions {
+        prompt: PromptConfig { min_pixels: images.min_pixels, max_pixels: images.max_pixels, ..Default::default() },
+        task_mode: Default::default(),
+        history_length: 0,
+        max_seq_len: 8192,
+        skip_bad_records: false,
+    }
+}
+
+#[test]
+fn loss_is_finite_and_falls_at_a_high_lr() {
+    let dir = scratch("falls");
+    let data = episodes(&dir, 1);
+    let flags = [
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "0",
+        "--min-lr-ratio",
+        "1",
+        "--max-steps",
+        "10",
+        "--batch-size",
+        "1",
+        "--grad-accum",
+        "1",
+        "--lora-dropout",
+        "0",
+        "--save-checkpoints",
+        "false",
+        "--lora-rank",
+        "8",
+    ];
+    let s = askgui_train::train(&config(&data, &dir.join("run"), &flags), None).unwrap();
+    let losses: Vec<f64> = s.steps.iter().map(|l| l.loss).collect();
+    eprintln!("losses: {losses:?}");
+    assert_eq!(losses.len(), 10);
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    assert!(s.steps.iter().all(|l| l.lr == 1e-2), "constant lr from the first step");
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (head, tail) = (mean(&losses[..3]), mean(&losses[7..]));
+    assert!(tail < 0.75 * head, "the last three steps average {tail}, the first three {head}");
+    // metrics.jsonl has one line per step.
+    let metrics = std::fs::read_to_string(dir.join("run").join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 10);
+}
+
+#[test]
+fn a_stopped_and_resumed_run_repeats_the_uninterrupted_run() {
+    let dir = scratch("resume");
+    let data = episodes(&dir, 1);
+    // Dropout on and two micro-batches a step, so that the dropout seeds and the accumulation are covered;
+    // 4 steps of 2 sequences cross an epoch boundary (the episode gives 5 or 6 samples).
+    let flags = [
+        "--lr",
+        "5e-3",
+        "--warmup-steps",
+        "1",
+        "--max-steps",
+        "4",
+        "--batch-size",
+        "1",
+        "--grad-accum",
+        "2",
+        "--lora-dropout",
+        "0.1",
+        "--save-every",
+        "2",
+        "--seed",
+        "5",
+        "--lora-rank",
+        "4",
+        "--weight-decay",
+        "0.01",
+    ];
+    let full = askgui_train::train(&config(&data, &dir.join("full"), &flags), None).unwrap();
+    assert_eq!(full.steps.len(), 4);
+    assert_eq!(full.steps.last().unwrap().epoch, 1, "the run crosses an epoch");
+
+    let part_dir = dir.join("part");
+    let mut stop = flags.to_vec();
+    stop.extend(["--stop-after", "2"]);
+    let first = askgui_train::train(&config(&data, &part_dir, &stop), None).unwrap();
+    assert!(first.stopped_early && first.steps.len() == 2);
+    let ckpt = first.last_checkpoint.clone().unwrap();
+    assert_eq!(ckpt, part_dir.join("checkpoint-0000002"));
+    for f in ["adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json"] {
+        assert!(ckpt.join(f).is_file(), "{f} missing");
+    }
+    // Resume as a user would: only --resume and a flag lifting the stop; the rest comes from config.toml.
+    let argv = ["askgui-train", "--resume", part_dir.to_str().unwrap(), "--stop-after", "0"];
+    let (cfg, resume) = from_args(argv).unwrap();
+    let second = askgui_train::train(&cfg, resume.as_deref()).unwrap();
+    assert_eq!(second.steps.first().map(|s| s.step), Some(3));
+
+    let resumed: Vec<f64> = first.steps.iter().chain(&second.steps).map(|s| s.loss).collect();
+    let straight: Vec<f64> = full.steps.iter().map(|s| s.loss).collect();
+    eprintln!("uninterrupted {straight:?}\nresumed       {resumed:?}");
+    // Bitwise: the resumed run loads the exact f32 adapter and moments, and every random draw and the data
+    // order are functions of (seed, epoch, step); candle's CPU kernels are deterministic at a fixed thread
+    // count.
+    assert_eq!(resumed, straight);
+    let lrs = |s: &askgui_train::TrainSummary| s.steps.iter().map(|l| l.lr).collect::<Vec<_>>();
+    assert_eq!([lrs(&first), lrs(&second)].concat(), lrs(&full));
+    // The metrics of the resumed folder hold each step once.
+    let metrics = std::fs::read_to_string(part_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 4);
+}
+
+#[test]
+fn bad_records_are_reported_with_their_line_or_skipped_and_counted() {
+    let dir = scratch("bad");
+    let data = episodes(&dir, 3);
+    let clean = std::fs::read_to_string(&data).unwrap();
+    let mut lines: Vec<String> = clean.lines().map(String::from).collect();
+    lines.insert(1, "{\"id\": \"broken\", \"steps\": [".into());
+    std::fs::write(&data, lines.join("\n") + "\n").unwrap();
+    let flags = ["--max-steps", "1", "--save-checkpoints", "false"];
+    let e = askgui_train::train(&config(&data, &dir.join("run"), &flags), None).unwrap_err();
+    eprintln!("{e}");
+    assert!(matches!(e, TrainError::BadRecord { line: 2, .. }), "{e}");
+    assert!(e.to_string().contains("train.jsonl:2:"), "{e}");
+
+    let skip = DataOptions { skip_bad_records: true, ..data_options() };
+    let (tok, images) = tokenizer_and_images();
+    let d = data::load_dataset(&data, &skip, &tok, &images).unwrap();
+    assert_eq!((d.stats.records, d.stats.bad_records), (4, 1));
+    assert!(d.samples.iter().all(|s| s.line != 2) && d.samples.iter().any(|s| s.line == 4));
+
+    // A missing screenshot names the file, the line, the episode, the step and the image.
+    std::fs::write(&data, &clean).unwrap();
+    let first: serde_json::Value = serde_json::from_str(clean.lines().next().unwrap()).unwrap();
+    let image = dir.join(first["steps"][1]["screenshot"].as_str().unwrap());
+    std::fs::remove_file(&image).unwrap();
+    let e = askgui_train::train(&config(&data, &dir.join("run"), &flags), None).unwrap_err();
+    let msg = e.to_string();
+    eprintln!("{msg}");
+    assert!(matches!(e, TrainError::Image { .. }), "{msg}");
+    let name = image.file_name().unwrap().to_str().unwrap();
+    assert!(msg.contains("train.jsonl:1:") && msg.contains("step 1") && msg.contains(name), "{msg}");
+    assert!(msg.contains("does not exist"), "{msg}");
+}
+
+#[test]
+fn long_samples_lose_their_oldest_history_and_are_counted() {
+    let dir = scratch("long");
+    let data = episodes(&dir, 3);
+    let (tok, images) = tokenizer_and_images();
+    let all = data::load_dataset(&data, &data_options(), &tok, &images).unwrap();
+    assert_eq!((all.stats.truncated, all.stats.too_long), (0, 0));
+    // A context at the mean length: the later steps of each episode (longer histories) must be cut, and
+    // a sample that is too long even without history is left out.
+    let limit = all.stats.tokens / all.stats.samples;
+    let cut = data::load_dataset(&data, &DataOptions { max_seq_len: limit, ..data_options() }, &tok, &images).unwrap();
+    let st = &cut.stats;
+    eprintln!("{:?}\n{st:?}", all.stats);
+    assert!(st.truncated > 0, "{st:?}");
+    assert_eq!(st.samples + st.too_long, all.stats.samples);
+    assert!(cut.samples.iter().all(|s| s.ids.len() <= limit));
+    let over = all.samples.iter().filter(|s| s.ids.len() > limit).count();
+    assert_eq!(st.truncated + st.too_long, over, "every sample over the limit was cut or left out");
+    // The target is never cut: each kept sample supervises the same tokens as its uncut twin.
+    let sup = |x: &data::PreparedSample| -> Vec<u32> {
+        x.ids.iter().zip(&x.labels_mask).filter(|(_, &m)| m).map(|(&t, _)| t).collect()
+    };
+    for s in &cut.samples {
+        let twin = all
+            .samples
+            .iter()
+            .find(|a| (a.line, a.step, &a.ids[a.ids.len() - 8..]) == (s.line, s.step, &s.ids[s.ids.len() - 8..]));
+        assert_eq!(sup(twin.unwrap()), sup(s));
+    }
+}
+
+#[test]
+fn a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
+    let dir = scratch("nan");
+    let data = episodes(&dir, 1);
+    let out = dir.join("run");
+    // An absurd lr puts every B near 1e35 after the first step; the next forward overflows f32.
+    let flags = [
+        "--lr",
+        "1e35",
+        "--warmup-steps",
+        "0",
+        "--max-steps",
+        "4",
+        "--batch-size",
+        "1",
+        "--grad-accum",
+        "1",
+        "--save-every",
+        "1",
+        "--max-grad-norm",
+        "0",
+        "--lora-dropout",
+        "0",
+    ];
+    let e = askgui_train::train(&config(&data, &out, &flags), None).unwrap_err();
+    let TrainError::NonFinite { step, last_checkpoint, .. } = &e else { panic!("{e}") };
+    eprintln!("{e}");
+    assert_eq!(*step, 2);
+    assert_eq!(last_checkpoint.as_deref(), Some(out.join("checkpoint-0000001").as_path()));
+    assert!(e.to_string().contains("step 2") && e.to_string().contains("checkpoint-0000001"), "{e}");
+    assert_eq!(checkpoint::read_state(&out.join("checkpoint-0000001")).unwrap().step, 1);
+    assert!(!out.join("checkpoint-0000002").exists());
+}
