@@ -172,10 +172,6 @@ pub struct RunArgs {
     /// Validation samples used per eval (0: all).
     #[arg(long, default_value_t = 0)]
     pub eval_samples: usize,
-    /// Stop after this many steps as if interrupted, keeping the schedule of the full run (for resuming
-    /// later in chunks; 0: off).
-    #[arg(long, default_value_t = 0)]
-    pub stop_after: usize,
     /// Draw the progress bar (it is hidden anyway when stderr is not a terminal).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub progress: bool,
@@ -210,8 +206,19 @@ pub struct Cli {
     /// Continue from a checkpoint folder (or the newest checkpoint in an output folder).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Stop (with a checkpoint) once the run has done this many steps, as if interrupted, keeping the
+    /// schedule of the full run: to train in chunks with --resume. Not saved in the config.
+    #[arg(long)]
+    pub stop_after: Option<usize>,
     #[command(flatten)]
     pub cfg: TrainConfig,
+}
+
+/// What one invocation adds to the config: where it continues from and where it stops.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunControl {
+    pub resume: Option<PathBuf>,
+    pub stop_after: Option<usize>,
 }
 
 impl Default for TrainConfig {
@@ -296,7 +303,7 @@ pub fn resolve(layers: &[(String, Value)]) -> Result<TrainConfig> {
 }
 
 /// Parses `argv` as the binary does and resolves the layers (reading the files it names).
-pub fn from_args<I, T>(argv: I) -> Result<(TrainConfig, Option<PathBuf>)>
+pub fn from_args<I, T>(argv: I) -> Result<(TrainConfig, RunControl)>
 where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
@@ -316,7 +323,7 @@ where
         layers.push((path.display().to_string(), file_layer(path)?));
     }
     layers.push(("command line".into(), cli_layer(&cli.cfg, &matches)));
-    Ok((resolve(&layers)?, cli.resume))
+    Ok((resolve(&layers)?, RunControl { resume: cli.resume, stop_after: cli.stop_after }))
 }
 
 impl TrainConfig {
@@ -409,6 +416,9 @@ mod tests {
         assert_eq!(c.optim.lr, 3e-4);
         assert_eq!(c.lora.lora_targets, ["q_proj", "v_proj"]);
         assert_eq!(c.optim.beta2, 0.999);
+        let c = parse(&["--model", "m", "--data", "d.jsonl", "--val", "v.jsonl", "--warmup-steps", "0"]).unwrap();
+        assert_eq!(c.data.val.as_deref(), Some(Path::new("v.jsonl")));
+        assert_eq!(c.optim.warmup_steps, Some(0));
         assert!(c.run.grad_checkpointing && c.run.save_checkpoints);
         let e = parse(&["--data", "d.jsonl"]).unwrap_err().to_string();
         assert!(e.contains("--model"), "{e}");

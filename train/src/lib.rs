@@ -13,6 +13,6 @@ pub mod error;
 pub mod optim;
 pub mod trainer;
 
-pub use config::{Mode, Preset, TrainConfig};
+pub use config::{Mode, Preset, RunControl, TrainConfig};
 pub use error::{Result, TrainError};
 pub use trainer::{train, StepLog, TrainSummary};

@@ -14,12 +14,12 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let (cfg, resume) = match askgui_train::config::from_args(std::env::args_os()) {
+    let (cfg, control) = match askgui_train::config::from_args(std::env::args_os()) {
         Ok(c) => c,
         Err(askgui_train::TrainError::Cli(e)) => e.exit(),
         Err(e) => return Err(e.into()),
     };
-    let summary = askgui_train::train(&cfg, resume.as_deref())?;
+    let summary = askgui_train::train(&cfg, &control)?;
     let last = summary.steps.last();
     tracing::info!(
         steps = summary.steps.len(),

@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
 use crate::checkpoint::{self, TrainerState};
-use crate::config::TrainConfig;
+use crate::config::{RunControl, TrainConfig};
 use crate::data::{self, DataOptions, DataPosition, DataStats, Dataset};
 use crate::error::{io, Result, TrainError};
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
@@ -56,7 +56,7 @@ pub struct TrainSummary {
     pub val_data: Option<DataStats>,
     pub total_steps: usize,
     pub last_checkpoint: Option<PathBuf>,
-    /// True when `stop_after` ended the run before `total_steps`.
+    /// True when [`RunControl::stop_after`] ended the run before `total_steps`.
     pub stopped_early: bool,
 }
 
@@ -107,7 +107,7 @@ fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device)
 }
 
 /// Runs (or, with `resume`, continues) the training that `cfg` describes.
-pub fn train(cfg: &TrainConfig, resume: Option<&Path>) -> Result<TrainSummary> {
+pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     cfg.validate()?;
     tracing::info!("resolved config:\n{}", cfg.to_toml());
     let device = Device::Cpu;
@@ -148,7 +148,7 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>) -> Result<TrainSummary> {
     }
 
     // Adapter and optimiser, fresh or from the checkpoint.
-    let ckpt = resume.map(checkpoint::find).transpose()?;
+    let ckpt = control.resume.as_deref().map(checkpoint::find).transpose()?;
     let state = match &ckpt {
         Some(dir) => {
             model.load_adapter(ADAPTER, dir)?;
@@ -250,7 +250,7 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>) -> Result<TrainSummary> {
     };
 
     while state.step < total_steps {
-        if cfg.run.stop_after > 0 && state.step >= cfg.run.stop_after {
+        if control.stop_after.is_some_and(|n| state.step >= n) {
             summary.stopped_early = true;
             break;
         }

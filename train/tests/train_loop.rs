@@ -13,7 +13,11 @@ use askgui_model::{ImageProcessorConfig, QwenTokenizer};
 use askgui_train::checkpoint;
 use askgui_train::config::from_args;
 use askgui_train::data::{self, DataOptions};
-use askgui_train::{TrainConfig, TrainError};
+use askgui_train::{RunControl, TrainConfig, TrainError};
+
+fn none() -> RunControl {
+    RunControl::default()
+}
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl")
@@ -35,13 +39,13 @@ fn episodes(dir: &Path, episodes: usize) -> PathBuf {
 }
 
 /// The config the binary would resolve from these flags (plus the fixture and tiny images).
-fn config(data: &Path, out: &Path, flags: &[&str]) -> TrainConfig {
+fn config(data: &Path, out: &Path, flags: &str) -> TrainConfig {
     let (m, d, o) = (fixture(), data.to_path_buf(), out.to_path_buf());
     let mut argv: Vec<String> = ["askgui-train", "--model"].map(String::from).to_vec();
     argv.push(m.display().to_string());
     argv.extend(["--data".into(), d.display().to_string(), "--output-dir".into(), o.display().to_string()]);
     argv.extend(["--max-pixels", "12544", "--progress", "false"].map(String::from));
-    argv.extend(flags.iter().map(|s| s.to_string()));
+    argv.extend(flags.split_whitespace().map(String::from));
     from_args(argv).unwrap().0
 }
 
@@ -69,27 +73,10 @@ fn data_options() -> DataOptions {
 fn loss_is_finite_and_falls_at_a_high_lr() {
     let dir = scratch("falls");
     let data = episodes(&dir, 1);
-    let flags = [
-        "--lr",
-        "1e-2",
-        "--warmup-steps",
-        "0",
-        "--min-lr-ratio",
-        "1",
-        "--max-steps",
-        "10",
-        "--batch-size",
-        "1",
-        "--grad-accum",
-        "1",
-        "--lora-dropout",
-        "0",
-        "--save-checkpoints",
-        "false",
-        "--lora-rank",
-        "8",
-    ];
-    let s = askgui_train::train(&config(&data, &dir.join("run"), &flags), None).unwrap();
+    let flags = "--lr 1e-2 --warmup-steps 0 --min-lr-ratio 1 --max-steps 10 --batch-size 1 --grad-accum 1 \
+        --lora-dropout 0 --save-checkpoints false --lora-rank 8";
+    let val = format!("--val {} --eval-every 5 --eval-samples 2", data.display());
+    let s = askgui_train::train(&config(&data, &dir.join("run"), &format!("{flags} {val}")), &none()).unwrap();
     let losses: Vec<f64> = s.steps.iter().map(|l| l.loss).collect();
     eprintln!("losses: {losses:?}");
     assert_eq!(losses.len(), 10);
@@ -98,9 +85,13 @@ fn loss_is_finite_and_falls_at_a_high_lr() {
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let (head, tail) = (mean(&losses[..3]), mean(&losses[7..]));
     assert!(tail < 0.75 * head, "the last three steps average {tail}, the first three {head}");
-    // metrics.jsonl has one line per step.
+    // The eval loss on (two samples of) the training episode is taken at steps 5 and 10, and falls.
+    eprintln!("val: {:?}", s.val_losses);
+    assert_eq!(s.val_losses.iter().map(|v| v.0).collect::<Vec<_>>(), [5, 10]);
+    assert!(s.val_losses[1].1 < s.val_losses[0].1 && s.val_losses[1].1.is_finite());
+    // metrics.jsonl has one line per step and one per eval.
     let metrics = std::fs::read_to_string(dir.join("run").join("metrics.jsonl")).unwrap();
-    assert_eq!(metrics.lines().count(), 10);
+    assert_eq!(metrics.lines().count(), 12);
 }
 
 #[test]
@@ -109,46 +100,25 @@ fn a_stopped_and_resumed_run_repeats_the_uninterrupted_run() {
     let data = episodes(&dir, 1);
     // Dropout on and two micro-batches a step, so that the dropout seeds and the accumulation are covered;
     // 4 steps of 2 sequences cross an epoch boundary (the episode gives 5 or 6 samples).
-    let flags = [
-        "--lr",
-        "5e-3",
-        "--warmup-steps",
-        "1",
-        "--max-steps",
-        "4",
-        "--batch-size",
-        "1",
-        "--grad-accum",
-        "2",
-        "--lora-dropout",
-        "0.1",
-        "--save-every",
-        "2",
-        "--seed",
-        "5",
-        "--lora-rank",
-        "4",
-        "--weight-decay",
-        "0.01",
-    ];
-    let full = askgui_train::train(&config(&data, &dir.join("full"), &flags), None).unwrap();
+    let flags = "--lr 5e-3 --warmup-steps 1 --max-steps 4 --batch-size 1 --grad-accum 2 --lora-dropout 0.1 \
+        --save-every 2 --seed 5 --lora-rank 4 --weight-decay 0.01";
+    let full = askgui_train::train(&config(&data, &dir.join("full"), flags), &none()).unwrap();
     assert_eq!(full.steps.len(), 4);
     assert_eq!(full.steps.last().unwrap().epoch, 1, "the run crosses an epoch");
 
     let part_dir = dir.join("part");
-    let mut stop = flags.to_vec();
-    stop.extend(["--stop-after", "2"]);
-    let first = askgui_train::train(&config(&data, &part_dir, &stop), None).unwrap();
+    let stop = RunControl { resume: None, stop_after: Some(2) };
+    let first = askgui_train::train(&config(&data, &part_dir, flags), &stop).unwrap();
     assert!(first.stopped_early && first.steps.len() == 2);
     let ckpt = first.last_checkpoint.clone().unwrap();
     assert_eq!(ckpt, part_dir.join("checkpoint-0000002"));
     for f in ["adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json"] {
         assert!(ckpt.join(f).is_file(), "{f} missing");
     }
-    // Resume as a user would: only --resume and a flag lifting the stop; the rest comes from config.toml.
-    let argv = ["askgui-train", "--resume", part_dir.to_str().unwrap(), "--stop-after", "0"];
-    let (cfg, resume) = from_args(argv).unwrap();
-    let second = askgui_train::train(&cfg, resume.as_deref()).unwrap();
+    // Resume as a user would: only --resume; the rest comes from the checkpoint's config.toml.
+    let (cfg, control) = from_args(["askgui-train", "--resume", part_dir.to_str().unwrap()]).unwrap();
+    assert_eq!(control.resume.as_deref(), Some(part_dir.as_path()));
+    let second = askgui_train::train(&cfg, &control).unwrap();
     assert_eq!(second.steps.first().map(|s| s.step), Some(3));
 
     let resumed: Vec<f64> = first.steps.iter().chain(&second.steps).map(|s| s.loss).collect();
@@ -173,8 +143,8 @@ fn bad_records_are_reported_with_their_line_or_skipped_and_counted() {
     let mut lines: Vec<String> = clean.lines().map(String::from).collect();
     lines.insert(1, "{\"id\": \"broken\", \"steps\": [".into());
     std::fs::write(&data, lines.join("\n") + "\n").unwrap();
-    let flags = ["--max-steps", "1", "--save-checkpoints", "false"];
-    let e = askgui_train::train(&config(&data, &dir.join("run"), &flags), None).unwrap_err();
+    let flags = "--max-steps 1 --save-checkpoints false";
+    let e = askgui_train::train(&config(&data, &dir.join("run"), flags), &none()).unwrap_err();
     eprintln!("{e}");
     assert!(matches!(e, TrainError::BadRecord { line: 2, .. }), "{e}");
     assert!(e.to_string().contains("train.jsonl:2:"), "{e}");
@@ -190,7 +160,7 @@ fn bad_records_are_reported_with_their_line_or_skipped_and_counted() {
     let first: serde_json::Value = serde_json::from_str(clean.lines().next().unwrap()).unwrap();
     let image = dir.join(first["steps"][1]["screenshot"].as_str().unwrap());
     std::fs::remove_file(&image).unwrap();
-    let e = askgui_train::train(&config(&data, &dir.join("run"), &flags), None).unwrap_err();
+    let e = askgui_train::train(&config(&data, &dir.join("run"), flags), &none()).unwrap_err();
     let msg = e.to_string();
     eprintln!("{msg}");
     assert!(matches!(e, TrainError::Image { .. }), "{msg}");
@@ -236,25 +206,9 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
     let data = episodes(&dir, 1);
     let out = dir.join("run");
     // An absurd lr puts every B near 1e35 after the first step; the next forward overflows f32.
-    let flags = [
-        "--lr",
-        "1e35",
-        "--warmup-steps",
-        "0",
-        "--max-steps",
-        "4",
-        "--batch-size",
-        "1",
-        "--grad-accum",
-        "1",
-        "--save-every",
-        "1",
-        "--max-grad-norm",
-        "0",
-        "--lora-dropout",
-        "0",
-    ];
-    let e = askgui_train::train(&config(&data, &out, &flags), None).unwrap_err();
+    let flags = "--lr 1e35 --warmup-steps 0 --max-steps 4 --batch-size 1 --grad-accum 1 --save-every 1 \
+        --max-grad-norm 0 --lora-dropout 0";
+    let e = askgui_train::train(&config(&data, &out, flags), &none()).unwrap_err();
     let TrainError::NonFinite { step, last_checkpoint, .. } = &e else { panic!("{e}") };
     eprintln!("{e}");
     assert_eq!(*step, 2);
@@ -262,4 +216,64 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
     assert!(e.to_string().contains("step 2") && e.to_string().contains("checkpoint-0000001"), "{e}");
     assert_eq!(checkpoint::read_state(&out.join("checkpoint-0000001")).unwrap().step, 1);
     assert!(!out.join("checkpoint-0000002").exists());
+}
+
+/// The per-step losses logged in `dir/metrics.jsonl`.
+fn logged_losses(dir: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v["loss"].as_f64())
+        .collect()
+}
+
+#[test]
+fn a_killed_binary_resumes_from_its_last_checkpoint() {
+    let dir = scratch("kill");
+    let data = episodes(&dir, 1);
+    let flags = "--lr 5e-3 --warmup-steps 0 --max-steps 4 --batch-size 1 --grad-accum 1 --save-every 1 --seed 2 \
+        --lora-rank 4";
+    let reference: Vec<f64> = askgui_train::train(&config(&data, &dir.join("reference"), flags), &none())
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss)
+        .collect();
+
+    // The binary, killed (SIGKILL) as soon as its first checkpoint is complete.
+    let out = dir.join("killed");
+    let fixture = fixture();
+    let mut argv: Vec<&str> = vec!["--model", fixture.to_str().unwrap(), "--data", data.to_str().unwrap()];
+    argv.extend(["--output-dir", out.to_str().unwrap(), "--max-pixels", "12544", "--progress", "false"]);
+    argv.extend(flags.split_whitespace());
+    let log = std::fs::File::create(dir.join("log.txt")).unwrap();
+    let bin = env!("CARGO_BIN_EXE_askgui-train");
+    let mut child = std::process::Command::new(bin).args(&argv).stderr(log).spawn().unwrap();
+    let first = out.join("checkpoint-0000001").join(checkpoint::STATE_FILE);
+    let t0 = std::time::Instant::now();
+    while !first.exists() && t0.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let at = checkpoint::read_state(&checkpoint::find(&out).unwrap()).unwrap().step;
+    eprintln!("killed after the checkpoint of step {at}");
+    assert!(at >= 1);
+
+    // `--resume OUT` continues from the newest checkpoint with the saved config.
+    let log = std::fs::File::create(dir.join("log-resume.txt")).unwrap();
+    let status = std::process::Command::new(bin).args(["--resume", out.to_str().unwrap()]).stderr(log).status();
+    assert!(status.unwrap().success(), "see {}", dir.join("log-resume.txt").display());
+    assert_eq!(logged_losses(&out), reference);
+}
+
+#[test]
+fn the_binary_explains_an_unsupported_mode() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_askgui-train"))
+        .args(["--model", "m", "--data", "d.jsonl", "--mode", "full"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--mode full is not supported yet"), "{err}");
 }
