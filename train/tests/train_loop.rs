@@ -175,7 +175,7 @@ fn long_samples_lose_their_oldest_history_and_are_counted() {
     let data = episodes(&dir, 3);
     let (tok, images) = tokenizer_and_images();
     let all = data::load_dataset(&data, &data_options(), &tok, &images).unwrap();
-    assert_eq!((all.stats.truncated, all.stats.too_long), (0, 0));
+    assert_eq!((all.stats.truncated, all.stats.too_long, all.stats.screen_mismatch), (0, 0, 0));
     // A context at the mean length: the later steps of each episode (longer histories) must be cut, and
     // a sample that is too long even without history is left out.
     let limit = all.stats.tokens / all.stats.samples;
