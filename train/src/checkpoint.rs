@@ -2,7 +2,8 @@
 //! never leaves a half checkpoint or damages an earlier one.
 //!
 //! A checkpoint is a folder `checkpoint-NNNNNNN` (the optimiser step) holding the adapter in PEFT's
-//! format (`adapter_config.json`, `adapter_model.safetensors`: the folder loads in PEFT as it is), the
+//! format (`adapter_config.json`, `adapter_model.safetensors`, keys in the hub layout or, with
+//! `--adapter-keys transformers5`, PEFT-on-transformers-5's: the folder loads in PEFT as it is), the
 //! optimiser state (`optimizer.safetensors`), the trainer state (`trainer_state.json`: step, data
 //! position, seed, schedule length) and the resolved config (`config.toml`). There is no RNG state to
 //! save: every random draw of a run (the data order, the dropout masks) is a pure function of the seed,

@@ -38,6 +38,25 @@ pub enum Preset {
     NaviPlus,
 }
 
+/// The tensor key layout of saved adapters (askgui reads both).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum AdapterKeys {
+    /// `base_model.model.model.layers.N...`: hub checkpoints, vLLM, SGLang, PEFT on transformers 4.
+    Hub,
+    /// `base_model.model.model.language_model.layers.N...`: PEFT on transformers 5.
+    Transformers5,
+}
+
+impl From<AdapterKeys> for askgui_model::AdapterLayout {
+    fn from(k: AdapterKeys) -> Self {
+        match k {
+            AdapterKeys::Hub => Self::Hub,
+            AdapterKeys::Transformers5 => Self::Transformers5,
+        }
+    }
+}
+
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
 #[serde(deny_unknown_fields)]
 pub struct ModelArgs {
@@ -166,6 +185,9 @@ pub struct RunArgs {
     /// Write checkpoints at all.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub save_checkpoints: bool,
+    /// Key layout of the saved adapter.
+    #[arg(long, value_enum, default_value_t = AdapterKeys::Hub)]
+    pub adapter_keys: AdapterKeys,
     /// Eval loss on --val every this many steps (0: only at the end).
     #[arg(long, default_value_t = 200)]
     pub eval_every: usize,

@@ -222,7 +222,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
 
     let save = |model: &Qwen2Vl, opt: &AdamW, state: &TrainerState| -> Result<PathBuf> {
         let dir = checkpoint::write_atomically(out, &checkpoint::dir_name(state.step), |tmp| {
-            model.save_adapter(ADAPTER, tmp)?;
+            model.save_adapter_as(ADAPTER, tmp, cfg.run.adapter_keys.into())?;
             opt.save(&tmp.join(checkpoint::OPTIMIZER_FILE))?;
             checkpoint::write_state(tmp, state)?;
             let path = tmp.join(checkpoint::CONFIG_FILE);

@@ -98,10 +98,11 @@ fn loss_is_finite_and_falls_at_a_high_lr() {
 fn a_stopped_and_resumed_run_repeats_the_uninterrupted_run() {
     let dir = scratch("resume");
     let data = episodes(&dir, 1);
-    // Dropout on and two micro-batches a step, so that the dropout seeds and the accumulation are covered;
-    // 4 steps of 2 sequences cross an epoch boundary (the episode gives 5 or 6 samples).
+    // Dropout, weight decay and two micro-batches a step, so that the dropout seeds, the decay and the
+    // accumulation are covered; 4 steps of 2 sequences cross an epoch boundary (the episode gives 5 or 6
+    // samples).
     let flags = "--lr 5e-3 --warmup-steps 1 --max-steps 4 --batch-size 1 --grad-accum 2 --lora-dropout 0.1 \
-        --save-every 2 --seed 5 --lora-rank 4 --weight-decay 0.01";
+        --save-every 2 --seed 5 --lora-rank 4 --weight-decay 0.01 --adapter-keys transformers5";
     let full = askgui_train::train(&config(&data, &dir.join("full"), flags), &none()).unwrap();
     assert_eq!(full.steps.len(), 4);
     assert_eq!(full.steps.last().unwrap().epoch, 1, "the run crosses an epoch");
@@ -115,6 +116,10 @@ fn a_stopped_and_resumed_run_repeats_the_uninterrupted_run() {
     for f in ["adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json"] {
         assert!(ckpt.join(f).is_file(), "{f} missing");
     }
+    // The adapter is in PEFT-on-transformers-5's key layout, as asked; resuming reads it back.
+    let adapter = candle_core::safetensors::load(ckpt.join("adapter_model.safetensors"), &candle_core::Device::Cpu);
+    let keys: Vec<String> = adapter.unwrap().into_keys().collect();
+    assert!(keys.iter().any(|k| k.starts_with("base_model.model.model.language_model.layers.0.")), "{keys:?}");
     // Resume as a user would: only --resume; the rest comes from the checkpoint's config.toml.
     let (cfg, control) = from_args(["askgui-train", "--resume", part_dir.to_str().unwrap()]).unwrap();
     assert_eq!(control.resume.as_deref(), Some(part_dir.as_path()));
