@@ -282,3 +282,48 @@ fn the_binary_explains_an_unsupported_mode() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--mode full is not supported yet"), "{err}");
 }
+
+#[test]
+fn accumulated_micro_batches_equal_one_batch() {
+    let dir = scratch("accum");
+    let data = episodes(&dir, 1);
+    let common = "--lr 5e-3 --warmup-steps 0 --max-steps 2 --lora-dropout 0 --save-checkpoints false --lora-rank 4";
+    let run = |name: &str, shape: &str| -> Vec<f64> {
+        let cfg = config(&data, &dir.join(name), &format!("{common} {shape}"));
+        askgui_train::train(&cfg, &none()).unwrap().steps.iter().map(|s| s.loss).collect()
+    };
+    let one = run("one", "--batch-size 2 --grad-accum 1");
+    let two = run("two", "--batch-size 1 --grad-accum 2");
+    eprintln!("one batch {one:?}\ntwo micro-batches {two:?}");
+    // Same sequences, same token-weighted mean: equal up to f32 summation order (the batch of two is
+    // padded to the longer sequence, the micro-batches are not), which moves the loss by ~1e-7 relative.
+    for (a, b) in one.iter().zip(&two) {
+        assert!((a - b).abs() < 1e-5 * a.abs(), "{a} vs {b}");
+    }
+}
+
+#[test]
+fn only_the_target_is_supervised_and_images_get_their_pads() {
+    let dir = scratch("mask");
+    let data = episodes(&dir, 1);
+    let (tok, images) = tokenizer_and_images();
+    let d = data::load_dataset(&data, &data_options(), &tok, &images).unwrap();
+    for s in &d.samples {
+        let target: Vec<u32> = s.ids.iter().zip(&s.labels_mask).filter(|(_, &m)| m).map(|(&t, _)| t).collect();
+        let text = tok.decode(&target, false).unwrap();
+        let json = text.strip_suffix("<|im_end|>").unwrap_or_else(|| panic!("{text:?}"));
+        let action: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{json:?}: {e}"));
+        assert!(action["action"].is_string(), "{json}");
+        // The supervised tokens are one run after `<|im_start|>assistant\n`, followed only by the newline
+        // that closes the turn.
+        let first = s.labels_mask.iter().position(|&m| m).unwrap();
+        let n = s.ids.len();
+        assert!(s.labels_mask[first..n - 1].iter().all(|&m| m) && !s.labels_mask[n - 1], "one run");
+        assert_eq!(tok.decode(&s.ids[n - 1..], false).unwrap(), "\n");
+        assert!(tok.decode(&s.ids[..first], false).unwrap().ends_with("<|im_start|>assistant\n"));
+        // Each image's pads: its merged-patch count.
+        let pads = s.ids.iter().filter(|&&t| t == tok.image_pad_id).count();
+        assert_eq!(pads, s.grids.iter().map(|g| g.iter().product::<usize>() / 4).sum::<usize>());
+        assert_eq!(s.images.len(), 1);
+    }
+}
