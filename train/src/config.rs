@@ -203,15 +203,15 @@ pub struct RunArgs {
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
 #[serde(deny_unknown_fields)]
 pub struct TrainConfig {
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Model")]
     pub model: ModelArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Data")]
     pub data: DataArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "LoRA")]
     pub lora: LoraArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Optimiser")]
     pub optim: OptimArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Run")]
     pub run: RunArgs,
 }
 

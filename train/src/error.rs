@@ -22,11 +22,19 @@ pub enum TrainError {
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
     #[error(
-        "the loss is {loss} at step {step}, micro-batch {micro_batch}; the run stopped without updating the \
-         weights; the last good checkpoint is {}",
+        "the {what} is {value} at step {step}{}; the run stopped and wrote no checkpoint of this step; the last \
+         good checkpoint is {}",
+        micro_batch.map(|m| format!(", micro-batch {m}")).unwrap_or_default(),
         last_checkpoint.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none (none was written yet)".into())
     )]
-    NonFinite { step: usize, micro_batch: usize, loss: f64, last_checkpoint: Option<PathBuf> },
+    NonFinite {
+        /// `loss`, `gradient norm` or `updated adapter`.
+        what: &'static str,
+        value: f64,
+        step: usize,
+        micro_batch: Option<usize>,
+        last_checkpoint: Option<PathBuf>,
+    },
     #[error(transparent)]
     Model(#[from] askgui_model::ModelError),
     #[error(transparent)]

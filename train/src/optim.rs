@@ -84,6 +84,18 @@ impl AdamW {
         self.slots.iter().map(|s| (s.name.as_str(), &s.var))
     }
 
+    /// Whether every parameter is finite: `0 * x` is 0 for a finite `x` and NaN otherwise, so its sum
+    /// cannot overflow on large but finite weights.
+    pub fn all_finite(&self) -> Result<bool> {
+        for s in &self.slots {
+            let t = s.var.as_tensor().to_dtype(DType::F32)?;
+            if t.affine(0.0, 0.0)?.sum_all()?.to_scalar::<f32>()? != 0.0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// One update with learning rate `lr`; `grads[i]` is the gradient of the `i`-th variable (None: no
     /// gradient this step).
     pub fn step(&mut self, grads: &[Option<Tensor>], lr: f64) -> Result<()> {
@@ -269,6 +281,17 @@ mod tests {
         let want = [2.0, 2.0 * (0.5 + 0.5 * std::f64::consts::FRAC_PI_4.cos()), 1.0];
         for (i, w) in want.into_iter().enumerate() {
             assert!(close(flat.lr(i), w), "{i}: {} vs {w}", flat.lr(i));
+        }
+    }
+
+    #[test]
+    fn finiteness_of_the_parameters() {
+        let x = var(&[1e30, -3.0]);
+        let opt = AdamW::new(vec![("x".into(), x.clone())], AdamWParams::default()).unwrap();
+        assert!(opt.all_finite().unwrap(), "large is not infinite");
+        for bad in [f64::NAN, f64::INFINITY] {
+            x.set(&Tensor::new(&[bad, 0.0], &Device::Cpu).unwrap()).unwrap();
+            assert!(!opt.all_finite().unwrap());
         }
     }
 

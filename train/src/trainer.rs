@@ -9,7 +9,8 @@
 //! Resuming: the adapter, the optimiser state, the step and the data position come from the checkpoint;
 //! the data order and the dropout masks are functions of (seed, epoch, step), so a resumed run computes
 //! the same steps as an uninterrupted one. A non-finite loss or gradient norm stops the run before the
-//! update, so the last checkpoint written stays the last good one.
+//! update, and non-finite weights after it stop it before any checkpoint, so the last checkpoint written
+//! stays the last good one.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -269,9 +270,10 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
             let out = model.loss_and_grads(&batch, &step_opts(state.step, micro))?;
             if !out.loss.is_finite() {
                 return Err(TrainError::NonFinite {
+                    what: "loss",
+                    value: out.loss,
                     step: state.step + 1,
-                    micro_batch: micro,
-                    loss: out.loss,
+                    micro_batch: Some(micro),
                     last_checkpoint: summary.last_checkpoint.clone(),
                 });
             }
@@ -292,14 +294,25 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
         let grad_norm = clip_grad_norm(&mut grads, o.max_grad_norm)?;
         if !grad_norm.is_finite() {
             return Err(TrainError::NonFinite {
+                what: "gradient norm",
+                value: grad_norm,
                 step: state.step + 1,
-                micro_batch: 0,
-                loss: grad_norm,
+                micro_batch: None,
                 last_checkpoint: summary.last_checkpoint.clone(),
             });
         }
         let lr = schedule.lr(state.step);
         opt.step(&grads, lr)?;
+        // A finite gradient can still overflow a weight; such weights must never reach a checkpoint.
+        if !opt.all_finite()? {
+            return Err(TrainError::NonFinite {
+                what: "updated adapter",
+                value: f64::NAN,
+                step: state.step + 1,
+                micro_batch: None,
+                last_checkpoint: summary.last_checkpoint.clone(),
+            });
+        }
         state = TrainerState {
             step: state.step + 1,
             position: next,
