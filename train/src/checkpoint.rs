@@ -12,7 +12,9 @@
 //! Atomic write: the folder is filled under a temporary name in the same parent, every file and the
 //! folder are fsynced, then it is renamed into place and the parent is fsynced. A folder with the final
 //! name is therefore always complete; an existing one with the same name is replaced only after the new
-//! one is complete.
+//! one is complete (it is moved aside to `.NAME.old-PID` first, so a kill between the two renames leaves
+//! it there rather than losing it). Temporaries that a killed run left are removed by the next write of
+//! the same name.
 
 use std::path::{Path, PathBuf};
 
@@ -56,8 +58,12 @@ pub fn write_atomically(parent: &Path, name: &str, fill: impl FnOnce(&Path) -> R
     let tmp = parent.join(format!(".{name}.tmp-{pid}"));
     let fin = parent.join(name);
     let result = (|| {
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+        // Temporaries of this name left by a killed run (any process id) are incomplete by construction.
+        let stale = format!(".{name}.tmp-");
+        for e in std::fs::read_dir(parent).map_err(io(parent))?.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&stale) {
+                std::fs::remove_dir_all(e.path()).map_err(io(e.path()))?;
+            }
         }
         std::fs::create_dir(&tmp).map_err(io(&tmp))?;
         fill(&tmp)?;
@@ -136,6 +142,8 @@ mod tests {
             tokens: 100,
         };
         let name = dir_name(3);
+        // A temporary that a killed run left behind goes away with the next write of that name.
+        std::fs::create_dir_all(parent.join(format!(".{name}.tmp-1"))).unwrap();
         let good = write_atomically(&parent, &name, |d| write_state(d, &state)).unwrap();
         assert_eq!(read_state(&good).unwrap(), state);
         // A write of the same name that fails half way: the complete one stays, no temporary is left.
