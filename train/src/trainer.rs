@@ -208,6 +208,17 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     );
 
     let out = &cfg.run.output_dir;
+    if ckpt.is_none() && cfg.run.save_checkpoints {
+        if let Ok(existing) = checkpoint::find(out) {
+            return Err(TrainError::Config(format!(
+                "{} already holds checkpoints ({}); pass --resume {} to continue that run, or choose another \
+                 --output-dir",
+                out.display(),
+                existing.display(),
+                out.display()
+            )));
+        }
+    }
     std::fs::create_dir_all(out).map_err(io(out))?;
     let mut metrics = Metrics::open(out, state.step)?;
     let bar = if cfg.run.progress {

@@ -110,6 +110,9 @@ fn a_stopped_and_resumed_run_repeats_the_uninterrupted_run() {
     let part_dir = dir.join("part");
     let stop = RunControl { resume: None, stop_after: Some(2) };
     let first = askgui_train::train(&config(&data, &part_dir, flags), &stop).unwrap();
+    // A fresh run into a folder with checkpoints is refused: it would overwrite them.
+    let e = askgui_train::train(&config(&data, &part_dir, flags), &stop).unwrap_err().to_string();
+    assert!(e.contains("already holds checkpoints") && e.contains("--resume"), "{e}");
     assert!(first.stopped_early && first.steps.len() == 2);
     let ckpt = first.last_checkpoint.clone().unwrap();
     assert_eq!(ckpt, part_dir.join("checkpoint-0000002"));
