@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use askgui_data::PromptConfig;
-use askgui_model::{LoraConfig, Qwen2Vl, StepOptions};
+use askgui_model::{ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
@@ -107,28 +107,27 @@ fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device)
     Ok(sum / tokens.max(1) as f64)
 }
 
-/// Runs (or, with `resume`, continues) the training that `cfg` describes.
-pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
-    cfg.validate()?;
-    tracing::info!("resolved config:\n{}", cfg.to_toml());
-    let device = Device::Cpu;
-    let model_id = cfg.model.model.as_deref().expect("validated");
-    let mut model = Qwen2Vl::load(model_id, &device, DType::F32)?;
+/// The model in f32 on the CPU, with the image processor's pixel bounds from `cfg` where it sets them.
+fn load_model(cfg: &TrainConfig, device: &Device) -> Result<Qwen2Vl> {
+    let mut model = Qwen2Vl::load(cfg.model.model.as_deref().expect("validated"), device, DType::F32)?;
+    let ic = &mut model.image_config;
     if cfg.data.min_pixels > 0 {
-        model.image_config.min_pixels = cfg.data.min_pixels;
+        ic.min_pixels = cfg.data.min_pixels;
     }
     if cfg.data.max_pixels > 0 {
-        model.image_config.max_pixels = cfg.data.max_pixels;
+        ic.max_pixels = cfg.data.max_pixels;
     }
-    let ic = model.image_config.clone();
     if ic.min_pixels > ic.max_pixels {
         return Err(TrainError::Config(format!("min_pixels {} > max_pixels {}", ic.min_pixels, ic.max_pixels)));
     }
-    let tokenizer = model.tokenizer()?;
+    Ok(model)
+}
 
-    // Data.
+/// How the data loader builds prompts: `cfg`'s data options and the image processor's pixel bounds (the
+/// coordinate frame depends on them).
+fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
     let d = &cfg.data;
-    let opts = DataOptions {
+    DataOptions {
         prompt: PromptConfig {
             frame: d.frame,
             min_pixels: ic.min_pixels,
@@ -140,17 +139,13 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
         history_length: d.history_length,
         max_seq_len: d.max_seq_len,
         skip_bad_records: d.skip_bad_records,
-    };
-    let train_set = data::load_dataset(d.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
-    tracing::info!(stats = ?train_set.stats, "training data {}", train_set.path.display());
-    let val_set = d.val.as_deref().map(|p| data::load_dataset(p, &opts, &tokenizer, &ic)).transpose()?;
-    if let Some(v) = &val_set {
-        tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());
     }
+}
 
-    // Adapter and optimiser, fresh or from the checkpoint.
-    let ckpt = control.resume.as_deref().map(checkpoint::find).transpose()?;
-    let state = match &ckpt {
+/// Installs the trainable adapter, loaded from checkpoint `ckpt` or new, and the optimiser over it; returns
+/// where the run stands.
+fn adapter_and_optimiser(model: &mut Qwen2Vl, cfg: &TrainConfig, ckpt: Option<&Path>) -> Result<(AdamW, TrainerState)> {
+    let state = match ckpt {
         Some(dir) => {
             model.load_adapter(ADAPTER, dir)?;
             model.make_adapter_trainable(ADAPTER)?;
@@ -161,7 +156,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
             let targets: Vec<&str> = l.lora_targets.iter().map(String::as_str).collect();
             let mut lora = LoraConfig::new(l.lora_rank, l.lora_alpha, &targets);
             lora.lora_dropout = l.lora_dropout;
-            lora.base_model_name_or_path = Some(model_id.to_string());
+            lora.base_model_name_or_path = cfg.model.model.clone();
             model.add_trainable_adapter(ADAPTER, lora, cfg.run.seed)?;
             TrainerState {
                 step: 0,
@@ -178,9 +173,34 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     let o = &cfg.optim;
     let params = AdamWParams { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: o.weight_decay };
     let mut opt = AdamW::new(model.trainable_vars(ADAPTER)?, params)?;
-    if let Some(dir) = &ckpt {
+    if let Some(dir) = ckpt {
         opt.load(&dir.join(checkpoint::OPTIMIZER_FILE))?;
     }
+    Ok((opt, state))
+}
+
+/// Runs (or, with `control.resume`, continues) the training that `cfg` describes.
+pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
+    cfg.validate()?;
+    tracing::info!("resolved config:\n{}", cfg.to_toml());
+    let device = Device::Cpu;
+    let mut model = load_model(cfg, &device)?;
+    let tokenizer = model.tokenizer()?;
+
+    // Data.
+    let ic = model.image_config.clone();
+    let opts = data_options(cfg, &ic);
+    let train_set = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
+    tracing::info!(stats = ?train_set.stats, "training data {}", train_set.path.display());
+    let val_set = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &opts, &tokenizer, &ic)).transpose()?;
+    if let Some(v) = &val_set {
+        tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());
+    }
+
+    // Adapter and optimiser, fresh or from the checkpoint.
+    let ckpt = control.resume.as_deref().map(checkpoint::find).transpose()?;
+    let (mut opt, state) = adapter_and_optimiser(&mut model, cfg, ckpt.as_deref())?;
+    let o = &cfg.optim;
 
     // The schedule.
     let n = train_set.samples.len();
@@ -231,6 +251,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
             .expect("valid template"),
     );
     bar.set_position(state.step as u64);
+    bar.reset_eta();
 
     let save = |model: &Qwen2Vl, opt: &AdamW, state: &TrainerState| -> Result<PathBuf> {
         let dir = checkpoint::write_atomically(out, &checkpoint::dir_name(state.step), |tmp| {
@@ -349,6 +370,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
         metrics.write(&log)?;
         bar.set_message(format!("loss {:.4} lr {:.2e} {:.0} tok/s", log.loss, lr, log.tokens_per_s));
         bar.set_position(state.step as u64);
+        bar.reset_eta();
         bar.suspend(|| {
             tracing::info!(
                 step = log.step,
