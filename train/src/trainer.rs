@@ -1,6 +1,7 @@
 //! The training loop, in one function you can read top to bottom: per step, the samples of the next data
 //! position, micro-batches (forward + backward, gradients accumulated), clipping, the AdamW step, one log
-//! line (tracing, metrics.jsonl, the progress bar), then the periodic eval loss and checkpoint.
+//! line (tracing, metrics.jsonl, the progress bar), then the periodic eval loss and checkpoint (with a
+//! redrawn curves.svg).
 //!
 //! Accumulation weights each micro-batch's mean loss and gradients by its share of the step's supervised
 //! tokens, so a step's loss and gradient are those of one batch holding all its sequences (the mean over
@@ -30,6 +31,7 @@ use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
 /// The adapter's name inside the model.
 const ADAPTER: &str = "train";
 pub const METRICS_FILE: &str = "metrics.jsonl";
+pub const CURVES_FILE: &str = "curves.svg";
 
 /// One optimiser step, as logged.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -92,6 +94,17 @@ impl Metrics {
         let line = serde_json::to_string(v).expect("metrics serialise");
         writeln!(self.0, "{line}").map_err(io(&self.1))
     }
+}
+
+/// Redraws `dir/curves.svg` from `dir/metrics.jsonl` (written aside and renamed, so a reader never sees
+/// half a picture).
+fn draw_curves(dir: &Path) -> Result<()> {
+    let metrics = dir.join(METRICS_FILE);
+    let text = std::fs::read_to_string(&metrics).map_err(io(&metrics))?;
+    let (train, val) = crate::plot::read_points(&text);
+    let (tmp, path) = (dir.join(format!(".{CURVES_FILE}.tmp")), dir.join(CURVES_FILE));
+    std::fs::write(&tmp, crate::plot::curves_svg(&train, &val)).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io(&path))
 }
 
 /// The token-weighted mean loss over (up to `limit` of) the validation samples, dropout off.
@@ -262,6 +275,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
             std::fs::write(&path, cfg.to_toml()).map_err(io(path))
         })?;
         bar.suspend(|| tracing::info!(step = state.step, "checkpoint {}", dir.display()));
+        draw_curves(out)?;
         Ok(dir)
     };
 
@@ -404,6 +418,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     if summary.stopped_early && cfg.run.save_checkpoints && saved_at != Some(state.step) {
         summary.last_checkpoint = Some(save(&model, &opt, &state)?);
     }
+    draw_curves(out)?;
     bar.finish_and_clear();
     Ok(summary)
 }

@@ -92,6 +92,8 @@ fn loss_is_finite_and_falls_at_a_high_lr() {
     // metrics.jsonl has one line per step and one per eval.
     let metrics = std::fs::read_to_string(dir.join("run").join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 12);
+    let svg = std::fs::read_to_string(dir.join("run").join("curves.svg")).unwrap();
+    assert!(svg.contains("<polyline") && svg.matches("<circle").count() == 2, "{svg}");
 }
 
 #[test]
