@@ -309,7 +309,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
 
         // Micro-batches: forward + backward, gradients accumulated with token weights.
         let mut grads: Vec<Option<Tensor>> = vec![None; opt.len()];
-        let mut loss_sum = 0.0;
+        let (mut loss_sum, mut counted) = (0.0, 0);
         for (micro, chunk) in samples.chunks(o.batch_size).enumerate() {
             let batch =
                 chunk.iter().map(|s| data::example(s, &model.image_config, &device)).collect::<Result<Vec<_>>>()?;
@@ -325,6 +325,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
             }
             let w = out.supervised_tokens as f64 / supervised as f64;
             loss_sum += out.loss * w;
+            counted += out.supervised_tokens;
             for (slot, (_, var)) in grads.iter_mut().zip(opt.vars()) {
                 if let Some(g) = out.grads.get(var.as_tensor()) {
                     let g = (g * w)?;
@@ -334,6 +335,13 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
                     });
                 }
             }
+        }
+        if counted != supervised {
+            // The weights above would not sum to 1: the loader's mask and the model's disagree.
+            return Err(TrainError::Data(format!(
+                "step {}: the model supervised {counted} tokens where the data marks {supervised}",
+                state.step + 1
+            )));
         }
 
         // Clip, step.

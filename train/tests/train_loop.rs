@@ -177,6 +177,10 @@ fn bad_records_are_reported_with_their_line_or_skipped_and_counted() {
     let name = image.file_name().unwrap().to_str().unwrap();
     assert!(msg.contains("train.jsonl:1:") && msg.contains("step 1") && msg.contains(name), "{msg}");
     assert!(msg.contains("does not exist"), "{msg}");
+    // With --skip-bad-records that episode is left out and counted.
+    let d = data::load_dataset(&data, &skip, &tok, &images).unwrap();
+    assert_eq!((d.stats.records, d.stats.bad_records), (3, 1));
+    assert!(d.samples.iter().all(|s| s.line != 1));
 }
 
 #[test]
