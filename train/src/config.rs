@@ -1,0 +1,477 @@
+//! The training configuration: clap derive + serde on the same grouped structs, so that a flag, a key of
+//! `--config FILE.toml` and a line of the saved `config.toml` are one thing.
+//!
+//! Resolution, lowest to highest: the defaults (clap's `default_value`s, the one place they are written),
+//! a `--preset`, the `config.toml` of the checkpoint given to `--resume`, the `--config` file, then the
+//! flags given on the command line. A layer only sets what it names: a file is a partial TOML document
+//! (`[optim]\nlr = 1e-4`), and a flag counts only when clap says its value came from the command line,
+//! so a flag's default never overrides a file. Unknown keys are errors (a typo must not be ignored).
+//! The resolved config is logged at start and written beside every checkpoint.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use askgui_data::{FrameKind, TaskMode};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, ValueEnum};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::{Result, TrainError};
+
+/// What is trained.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// A LoRA adapter on the targeted linears; the base weights stay frozen.
+    Lora,
+    /// Every weight (not supported yet).
+    Full,
+}
+
+/// Named recipes that set several options at once.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Preset {
+    /// Navi-plus' LoRA recipe: rank 64, one epoch, batch 64, lr 2e-4 (alpha 128 = 2r is our choice; the
+    /// batch is 8 sequences x 8 accumulation steps).
+    NaviPlus,
+}
+
+/// The tensor key layout of saved adapters (askgui reads both).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum AdapterKeys {
+    /// `base_model.model.model.layers.N...`: hub checkpoints, vLLM, SGLang, PEFT on transformers 4.
+    Hub,
+    /// `base_model.model.model.language_model.layers.N...`: PEFT on transformers 5.
+    Transformers5,
+}
+
+impl From<AdapterKeys> for askgui_model::AdapterLayout {
+    fn from(k: AdapterKeys) -> Self {
+        match k {
+            AdapterKeys::Hub => Self::Hub,
+            AdapterKeys::Transformers5 => Self::Transformers5,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
+#[serde(deny_unknown_fields)]
+pub struct ModelArgs {
+    /// Checkpoint folder or hub id (Qwen2.5-VL / Qwen2-VL).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub model: Option<String>,
+    /// What to train.
+    #[arg(long, value_enum, default_value_t = Mode::Lora)]
+    pub mode: Mode,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
+#[serde(deny_unknown_fields)]
+pub struct DataArgs {
+    /// Training episodes (JSONL, one episode a line, screenshots beside the file).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub data: Option<PathBuf>,
+    /// Validation episodes for the periodic eval loss.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub val: Option<PathBuf>,
+    /// Skip (and count) unreadable lines and episodes with missing screenshots instead of stopping.
+    #[arg(long, default_value_t = false)]
+    pub skip_bad_records: bool,
+    /// Which task the samples use: the ambiguous one (with ask samples) or always the full one.
+    #[arg(long, value_enum, default_value_t = TaskMode::Ambiguous)]
+    pub task_mode: TaskMode,
+    /// Coordinate frame the model reads and writes.
+    #[arg(long, value_enum, default_value_t = FrameKind::Resized)]
+    pub frame: FrameKind,
+    /// The image processor's min_pixels (0: the checkpoint's).
+    #[arg(long, default_value_t = 0)]
+    pub min_pixels: usize,
+    /// The image processor's max_pixels (0: the checkpoint's).
+    #[arg(long, default_value_t = 0)]
+    pub max_pixels: usize,
+    /// Earlier screenshots shown besides the current one.
+    #[arg(long, default_value_t = 0)]
+    pub history_images: usize,
+    /// Most recent history lines (actions, ASK, SAY) kept in the prompt (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub history_length: usize,
+    /// Include the element list when a step has one.
+    #[arg(long, default_value_t = false)]
+    pub elements: bool,
+    /// Context length in tokens: longer samples lose their oldest history until they fit.
+    #[arg(long, default_value_t = 8192)]
+    pub max_seq_len: usize,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
+#[serde(deny_unknown_fields)]
+pub struct LoraArgs {
+    /// LoRA rank r.
+    #[arg(long, default_value_t = 16)]
+    pub lora_rank: usize,
+    /// LoRA alpha (the update is scaled by alpha / r).
+    #[arg(long, default_value_t = 32.0)]
+    pub lora_alpha: f64,
+    /// Dropout on the LoRA input (PEFT's lora_dropout).
+    #[arg(long, default_value_t = 0.05)]
+    pub lora_dropout: f64,
+    /// Target module names (PEFT suffix match), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")]
+    pub lora_targets: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
+#[serde(deny_unknown_fields)]
+pub struct OptimArgs {
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-4)]
+    pub lr: f64,
+    /// Decoupled weight decay (torch.optim.AdamW's).
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    #[arg(long, default_value_t = 0.999)]
+    pub beta2: f64,
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Warmup steps as a fraction of all steps (rounded up; used unless --warmup-steps is given).
+    #[arg(long, default_value_t = 0.03)]
+    pub warmup_ratio: f64,
+    /// Warmup steps (overrides --warmup-ratio; 0 is no warmup).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub warmup_steps: Option<usize>,
+    /// The cosine decays to lr x this.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr_ratio: f64,
+    /// Clip the global gradient norm to this (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Sequences per micro-batch (one forward and backward).
+    #[arg(long, default_value_t = 1)]
+    pub batch_size: usize,
+    /// Micro-batches per optimiser step.
+    #[arg(long, default_value_t = 8)]
+    pub grad_accum: usize,
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Stop after this many optimiser steps (0: the epochs decide); it also sets the schedule's length.
+    #[arg(long, default_value_t = 0)]
+    pub max_steps: usize,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
+#[serde(deny_unknown_fields)]
+pub struct RunArgs {
+    /// Where checkpoints, metrics.jsonl and the config go.
+    #[arg(long, default_value = "runs/askgui-train")]
+    pub output_dir: PathBuf,
+    /// Seeds the adapter's initialisation, the data order and the dropout masks.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Recompute each block in the backward instead of keeping its activations.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub grad_checkpointing: bool,
+    /// Write a checkpoint every this many steps (0: only at the end).
+    #[arg(long, default_value_t = 500)]
+    pub save_every: usize,
+    /// Write checkpoints at all.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub save_checkpoints: bool,
+    /// Key layout of the saved adapter.
+    #[arg(long, value_enum, default_value_t = AdapterKeys::Hub)]
+    pub adapter_keys: AdapterKeys,
+    /// Eval loss on --val every this many steps (0: only at the end).
+    #[arg(long, default_value_t = 200)]
+    pub eval_every: usize,
+    /// Validation samples used per eval (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub eval_samples: usize,
+    /// Draw the progress bar (it is hidden anyway when stderr is not a terminal).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub progress: bool,
+}
+
+/// Every option of a training run.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    #[command(flatten, next_help_heading = "Model")]
+    pub model: ModelArgs,
+    #[command(flatten, next_help_heading = "Data")]
+    pub data: DataArgs,
+    #[command(flatten, next_help_heading = "LoRA")]
+    pub lora: LoraArgs,
+    #[command(flatten, next_help_heading = "Optimiser")]
+    pub optim: OptimArgs,
+    #[command(flatten, next_help_heading = "Run")]
+    pub run: RunArgs,
+}
+
+/// The command line: the config's flags plus what only makes sense for one invocation.
+#[derive(Parser, Debug)]
+#[command(name = "askgui-train", about = "Fine-tune a Qwen2.5-VL / Qwen2-VL GUI agent on askgui episodes")]
+pub struct Cli {
+    /// A TOML file with the same options, grouped as in the saved config.toml; flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// A named recipe (files and flags override it).
+    #[arg(long, value_enum)]
+    pub preset: Option<Preset>,
+    /// Continue from a checkpoint folder (or the newest checkpoint in an output folder).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Stop (with a checkpoint) once the run has done this many steps, as if interrupted, keeping the
+    /// schedule of the full run: to train in chunks with --resume. Not saved in the config.
+    #[arg(long)]
+    pub stop_after: Option<usize>,
+    #[command(flatten)]
+    pub cfg: TrainConfig,
+}
+
+/// What one invocation adds to the config: where it continues from and where it stops.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunControl {
+    pub resume: Option<PathBuf>,
+    pub stop_after: Option<usize>,
+}
+
+impl Default for TrainConfig {
+    /// The defaults of the flags (parsed from an empty command line).
+    fn default() -> Self {
+        let cmd = TrainConfig::augment_args(clap::Command::new("defaults"));
+        let m = cmd.try_get_matches_from(["defaults"]).expect("the defaults parse");
+        TrainConfig::from_arg_matches(&m).expect("the defaults parse")
+    }
+}
+
+/// The values a preset sets, as a partial config.
+pub fn preset_layer(p: Preset) -> Value {
+    match p {
+        Preset::NaviPlus => serde_json::json!({
+            "lora": {"lora_rank": 64, "lora_alpha": 128.0},
+            "optim": {"lr": 2e-4, "epochs": 1, "batch_size": 8, "grad_accum": 8},
+        }),
+    }
+}
+
+/// Reads a partial config from a TOML file.
+pub fn file_layer(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io { path: path.to_path_buf(), source })?;
+    let t: toml::Table =
+        toml::from_str(&text).map_err(|e| TrainError::Config(format!("{}: not valid TOML: {e}", path.display())))?;
+    serde_json::to_value(t).map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))
+}
+
+/// The flags given on the command line, as a partial config (clap's defaults are left out).
+pub fn cli_layer(cfg: &TrainConfig, matches: &ArgMatches) -> Value {
+    let explicit: HashSet<&str> = matches
+        .ids()
+        .map(|id| id.as_str())
+        .filter(|id| matches!(matches.value_source(id), Some(ValueSource::CommandLine | ValueSource::EnvVariable)))
+        .collect();
+    let full = serde_json::to_value(cfg).expect("the config serialises");
+    let mut out = serde_json::Map::new();
+    for (group, fields) in full.as_object().into_iter().flatten() {
+        let picked: serde_json::Map<_, _> = fields
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| explicit.contains(k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if !picked.is_empty() {
+            out.insert(group.clone(), Value::Object(picked));
+        }
+    }
+    Value::Object(out)
+}
+
+/// Sets every key of `layer` in `base` (tables are merged, values replaced).
+fn overlay(base: &mut Value, layer: &Value) {
+    match (base, layer) {
+        (Value::Object(b), Value::Object(l)) => {
+            for (k, v) in l {
+                match b.get_mut(k) {
+                    Some(slot) if slot.is_object() && v.is_object() => overlay(slot, v),
+                    _ => {
+                        b.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        (b, l) => *b = l.clone(),
+    }
+}
+
+/// The defaults with `layers` applied in order, checked.
+pub fn resolve(layers: &[(String, Value)]) -> Result<TrainConfig> {
+    let mut v = serde_json::to_value(TrainConfig::default()).expect("the config serialises");
+    for (name, layer) in layers {
+        overlay(&mut v, layer);
+        // Deserialise after each layer so that an unknown key or a wrong type names its source.
+        serde_json::from_value::<TrainConfig>(v.clone()).map_err(|e| TrainError::Config(format!("{name}: {e}")))?;
+    }
+    let cfg: TrainConfig = serde_json::from_value(v).map_err(|e| TrainError::Config(e.to_string()))?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Parses `argv` as the binary does and resolves the layers (reading the files it names).
+pub fn from_args<I, T>(argv: I) -> Result<(TrainConfig, RunControl)>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let matches = Cli::command().try_get_matches_from(argv).map_err(|e| TrainError::Cli(Box::new(e)))?;
+    let cli = Cli::from_arg_matches(&matches).map_err(|e| TrainError::Cli(Box::new(e)))?;
+    let mut layers = Vec::new();
+    if let Some(p) = cli.preset {
+        layers.push((format!("--preset {}", p.to_possible_value().expect("named").get_name()), preset_layer(p)));
+    }
+    if let Some(dir) = &cli.resume {
+        let ckpt = crate::checkpoint::find(dir)?;
+        let path = ckpt.join(crate::checkpoint::CONFIG_FILE);
+        layers.push((path.display().to_string(), file_layer(&path)?));
+    }
+    if let Some(path) = &cli.config {
+        layers.push((path.display().to_string(), file_layer(path)?));
+    }
+    layers.push(("command line".into(), cli_layer(&cli.cfg, &matches)));
+    Ok((resolve(&layers)?, RunControl { resume: cli.resume, stop_after: cli.stop_after }))
+}
+
+impl TrainConfig {
+    /// Checks ranges and combinations, with messages that name the option.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(TrainError::Config(m));
+        if self.model.model.is_none() {
+            return bad("no model: pass --model DIR|HUB_ID (or `model = ...` under [model] in --config)".into());
+        }
+        if self.data.data.is_none() {
+            return bad("no training data: pass --data FILE.jsonl (or `data = ...` under [data] in --config)".into());
+        }
+        if self.model.mode == Mode::Full {
+            return bad("--mode full is not supported yet; use --mode lora".into());
+        }
+        let (l, o) = (&self.lora, &self.optim);
+        if l.lora_rank == 0 {
+            return bad("--lora-rank must be at least 1".into());
+        }
+        if !(l.lora_alpha.is_finite() && l.lora_alpha > 0.0) {
+            return bad(format!("--lora-alpha is {}; it must be positive", l.lora_alpha));
+        }
+        if !(0.0..1.0).contains(&l.lora_dropout) {
+            return bad(format!("--lora-dropout is {}; it must be in [0, 1)", l.lora_dropout));
+        }
+        if l.lora_targets.is_empty() || l.lora_targets.iter().any(|t| t.trim().is_empty()) {
+            return bad(format!("--lora-targets {:?} must name at least one module and no empty one", l.lora_targets));
+        }
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return bad(format!("--lr is {}; it must be positive", o.lr));
+        }
+        for (name, b) in [("--beta1", o.beta1), ("--beta2", o.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(format!("{name} is {b}; it must be in [0, 1)"));
+            }
+        }
+        if !(o.eps.is_finite() && o.eps > 0.0) {
+            return bad(format!("--eps is {}; it must be positive", o.eps));
+        }
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return bad(format!("--weight-decay is {}; it must be >= 0", o.weight_decay));
+        }
+        if !(0.0..=1.0).contains(&o.warmup_ratio) {
+            return bad(format!("--warmup-ratio is {}; it must be in [0, 1]", o.warmup_ratio));
+        }
+        if !(0.0..=1.0).contains(&o.min_lr_ratio) {
+            return bad(format!("--min-lr-ratio is {}; it must be in [0, 1]", o.min_lr_ratio));
+        }
+        if !(o.max_grad_norm.is_finite() && o.max_grad_norm >= 0.0) {
+            return bad(format!("--max-grad-norm is {}; it must be >= 0 (0: no clipping)", o.max_grad_norm));
+        }
+        for (name, v) in [("--batch-size", o.batch_size), ("--grad-accum", o.grad_accum), ("--epochs", o.epochs)] {
+            if v == 0 {
+                return bad(format!("{name} must be at least 1"));
+            }
+        }
+        let d = &self.data;
+        if d.min_pixels > 0 && d.max_pixels > 0 && d.min_pixels > d.max_pixels {
+            return bad(format!("--min-pixels {} is larger than --max-pixels {}", d.min_pixels, d.max_pixels));
+        }
+        if d.max_seq_len < 16 {
+            return bad(format!("--max-seq-len is {}; it must be at least 16", d.max_seq_len));
+        }
+        Ok(())
+    }
+
+    /// Sequences per optimiser step.
+    pub fn sequences_per_step(&self) -> usize {
+        self.optim.batch_size * self.optim.grad_accum
+    }
+
+    /// The config as the TOML saved beside checkpoints.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("the config serialises to TOML")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<TrainConfig> {
+        from_args(std::iter::once("askgui-train").chain(args.iter().copied())).map(|(c, _)| c)
+    }
+
+    #[test]
+    fn defaults_flags_and_validation() {
+        let c =
+            parse(&["--model", "m", "--data", "d.jsonl", "--lr", "3e-4", "--lora-targets", "q_proj,v_proj"]).unwrap();
+        assert_eq!(c.optim.lr, 3e-4);
+        assert_eq!(c.lora.lora_targets, ["q_proj", "v_proj"]);
+        assert_eq!(c.optim.beta2, 0.999);
+        let c = parse(&["--model", "m", "--data", "d.jsonl", "--val", "v.jsonl", "--warmup-steps", "0"]).unwrap();
+        assert_eq!(c.data.val.as_deref(), Some(Path::new("v.jsonl")));
+        assert_eq!(c.optim.warmup_steps, Some(0));
+        assert!(c.run.grad_checkpointing && c.run.save_checkpoints);
+        let e = parse(&["--data", "d.jsonl"]).unwrap_err().to_string();
+        assert!(e.contains("--model"), "{e}");
+        let e = parse(&["--model", "m", "--data", "d", "--mode", "full"]).unwrap_err().to_string();
+        assert!(e.contains("not supported yet"), "{e}");
+        let e = parse(&["--model", "m", "--data", "d", "--lora-dropout", "1.5"]).unwrap_err().to_string();
+        assert!(e.contains("--lora-dropout"), "{e}");
+    }
+
+    #[test]
+    fn preset_file_and_flags_layer_in_order() {
+        let dir = std::env::temp_dir().join(format!("askgui-train-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("c.toml");
+        std::fs::write(&file, "[model]\nmodel = \"from-file\"\n[data]\ndata = \"d.jsonl\"\n[optim]\nlr = 5e-5\n")
+            .unwrap();
+        let f = file.to_str().unwrap();
+        // The preset sets rank, lr and batch; the file overrides lr; a flag overrides the file's model.
+        let c = parse(&["--preset", "navi-plus", "--config", f, "--model", "flag"]).unwrap();
+        assert_eq!((c.lora.lora_rank, c.optim.lr, c.sequences_per_step()), (64, 5e-5, 64));
+        assert_eq!(c.model.model.as_deref(), Some("flag"));
+        // A flag left at its default does not override the file.
+        let c = parse(&["--config", f]).unwrap();
+        assert_eq!(c.optim.lr, 5e-5);
+        // The saved TOML reads back to the same config.
+        std::fs::write(&file, c.to_toml()).unwrap();
+        assert_eq!(parse(&["--config", f]).unwrap(), c);
+        // A typo is an error that names the file.
+        std::fs::write(&file, "[optim]\nlearning_rate = 1.0\n").unwrap();
+        let e = parse(&["--config", f, "--model", "m", "--data", "d"]).unwrap_err().to_string();
+        assert!(e.contains("c.toml") && e.contains("learning_rate"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,439 @@
+//! Training data: episode JSONL -> samples (the prompt code of askgui-data) -> token ids with a loss
+//! mask -> [`TrainExample`]s, and the order in which a run visits them.
+//!
+//! Loading does everything but decoding pixels, once, up front: each line is parsed (a bad line is an
+//! error with its file and line, or skipped and counted with `skip_bad_records`), every screenshot is
+//! checked and its size read from the file header (a missing one is an error naming the episode, step and
+//! path), the samples are rendered in ChatML and tokenised, and a sample longer than the context loses
+//! its oldest history (earlier screenshots first, then the oldest history lines) until it fits; that is
+//! counted. Pixels are decoded and preprocessed when a batch is built, so memory does not grow with the
+//! data set.
+//!
+//! Tokenising: the rendered text is split at the loss spans and each piece is encoded on its own, so that
+//! the supervised tokens are exactly the tokens of the target pieces (each target's content and its
+//! `<|im_end|>`). A span starts after `<|im_start|>assistant\n` and ends at a special token, so the split
+//! falls on a pre-tokenizer boundary. Each `<|image_pad|>` is expanded to the image's merged-patch count,
+//! computed from the header's size with the same `smart_resize` the preprocessing uses.
+//!
+//! Order: epoch `e` visits the samples in a Fisher-Yates permutation driven by SplitMix64 seeded from
+//! `(seed, e)`; both are written out here so that the order never changes with a dependency's version.
+//! A data position `(epoch, index)` therefore fully determines every later batch.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use askgui_data::prompt::{ChatMessage, Part};
+use askgui_data::{episode_samples, read_episodes, render_chatml, LoadedEpisode, PromptConfig, TaskMode};
+use askgui_model::{load_image, preprocess, ImageProcessorConfig, QwenTokenizer, TrainExample};
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+
+/// How episodes become token sequences.
+#[derive(Debug, Clone)]
+pub struct DataOptions {
+    /// The prompt layout; its min/max pixels must be the image processor's.
+    pub prompt: PromptConfig,
+    pub task_mode: TaskMode,
+    /// Most recent history lines kept (0: all).
+    pub history_length: usize,
+    pub max_seq_len: usize,
+    pub skip_bad_records: bool,
+}
+
+/// One tokenised training sample whose pixels are not decoded yet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreparedSample {
+    pub episode: String,
+    /// 1-based line of the episode in its file.
+    pub line: usize,
+    pub step: usize,
+    pub ids: Vec<u32>,
+    pub labels_mask: Vec<bool>,
+    pub images: Vec<PathBuf>,
+    pub grids: Vec<[usize; 3]>,
+}
+
+impl PreparedSample {
+    /// Tokens that carry loss (the first token never does: nothing predicts it).
+    pub fn supervised_tokens(&self) -> usize {
+        self.labels_mask.iter().skip(1).filter(|&&m| m).count()
+    }
+}
+
+/// What loading saw.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DataStats {
+    /// Non-empty lines read.
+    pub records: usize,
+    /// Lines skipped with `skip_bad_records` (unparsable, or a screenshot missing or unreadable).
+    pub bad_records: usize,
+    pub samples: usize,
+    /// Samples that lost history to fit the context.
+    pub truncated: usize,
+    /// Samples too long even without any history (left out).
+    pub too_long: usize,
+    /// Screenshots whose size is not the episode's `screen` (coordinates are converted with `screen`).
+    pub screen_mismatch: usize,
+    pub tokens: usize,
+    pub supervised_tokens: usize,
+}
+
+/// The samples of one JSONL file.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    pub path: PathBuf,
+    pub samples: Vec<PreparedSample>,
+    pub stats: DataStats,
+}
+
+/// Loads and tokenises every episode of `path`.
+pub fn load_dataset(
+    path: &Path,
+    opts: &DataOptions,
+    tokenizer: &QwenTokenizer,
+    images: &ImageProcessorConfig,
+) -> Result<Dataset> {
+    let lines = read_episodes(path).map_err(|e| match e {
+        askgui_data::episode::EpisodeError::Io { path, source } => TrainError::Io { path, source },
+        other => TrainError::Data(other.to_string()),
+    })?;
+    let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let mut stats = DataStats::default();
+    let mut samples = Vec::new();
+    for (line, parsed) in lines {
+        stats.records += 1;
+        let skip = |err: TrainError, stats: &mut DataStats| -> Result<()> {
+            if opts.skip_bad_records {
+                tracing::warn!("skipping a bad record: {err}");
+                stats.bad_records += 1;
+                Ok(())
+            } else {
+                Err(err)
+            }
+        };
+        let episode = match parsed {
+            Ok(e) => e,
+            Err(reason) => {
+                skip(TrainError::BadRecord { path: path.into(), line, reason }, &mut stats)?;
+                continue;
+            }
+        };
+        let ep = LoadedEpisode { episode, base: base.clone(), line };
+        let tokens = match image_tokens(path, &ep, images) {
+            Ok((t, mismatched)) => {
+                if mismatched > 0 {
+                    tracing::warn!(
+                        "{}:{line}: episode `{}`: {mismatched} screenshots are not {}x{} as `screen` says",
+                        path.display(),
+                        ep.episode.id,
+                        ep.episode.screen.width,
+                        ep.episode.screen.height
+                    );
+                }
+                stats.screen_mismatch += mismatched;
+                t
+            }
+            Err(e) => {
+                skip(e, &mut stats)?;
+                continue;
+            }
+        };
+        let ep_samples = match episode_samples(&ep, &opts.prompt, opts.task_mode) {
+            Ok(s) => s,
+            Err(e) => {
+                let err = TrainError::BadRecord { path: path.into(), line, reason: e.to_string() };
+                skip(err, &mut stats)?;
+                continue;
+            }
+        };
+        for s in ep_samples {
+            let mut messages = s.messages;
+            if opts.history_length > 0 {
+                cap_history(&mut messages, opts.history_length);
+            }
+            let mut truncated = false;
+            let encoded = loop {
+                let (ids, mask, imgs) = encode(tokenizer, &messages, &tokens)?;
+                if ids.len() <= opts.max_seq_len {
+                    break Some((ids, mask, imgs));
+                }
+                if !drop_oldest_history(&mut messages) {
+                    break None;
+                }
+                truncated = true;
+            };
+            let Some((ids, labels_mask, imgs)) = encoded else {
+                tracing::warn!(
+                    "{}:{line}: episode `{}` step {}: longer than --max-seq-len {} even without history; left out",
+                    path.display(),
+                    s.episode,
+                    s.step,
+                    opts.max_seq_len
+                );
+                stats.too_long += 1;
+                continue;
+            };
+            stats.truncated += truncated as usize;
+            let grids = imgs.iter().map(|p| tokens[p].0).collect();
+            let sample =
+                PreparedSample { episode: s.episode, line, step: s.step, ids, labels_mask, images: imgs, grids };
+            stats.tokens += sample.ids.len();
+            stats.supervised_tokens += sample.supervised_tokens();
+            samples.push(sample);
+        }
+    }
+    stats.samples = samples.len();
+    if samples.is_empty() {
+        return Err(TrainError::Data(format!("{}: no training sample (stats: {stats:?})", path.display())));
+    }
+    Ok(Dataset { path: path.into(), samples, stats })
+}
+
+/// Each screenshot's grid `[t, h, w]` and its number of `<|image_pad|>` tokens.
+type ImageTokens = HashMap<PathBuf, ([usize; 3], usize)>;
+
+/// The grid and pad count of every screenshot of `ep`, from the image headers, and how many screenshots
+/// differ in size from the episode's `screen`.
+fn image_tokens(file: &Path, ep: &LoadedEpisode, cfg: &ImageProcessorConfig) -> Result<(ImageTokens, usize)> {
+    let mut out = HashMap::new();
+    let mut mismatched = 0;
+    for step in 0..ep.episode.steps.len() {
+        let image = ep.image_path(step);
+        let err = |reason: String| TrainError::Image {
+            path: file.into(),
+            line: ep.line,
+            episode: ep.episode.id.clone(),
+            step,
+            image: image.clone(),
+            reason,
+        };
+        if !image.is_file() {
+            return Err(err("does not exist".into()));
+        }
+        let (w, h) = image::image_dimensions(&image).map_err(|e| err(format!("is not a readable image: {e}")))?;
+        mismatched += ((w, h) != (ep.episode.screen.width, ep.episode.screen.height)) as usize;
+        let (w, h) = (w as usize, h as usize);
+        if w * h > cfg.max_input_pixels || w.min(h) < cfg.min_side {
+            return Err(err(format!("is {w}x{h}, outside the image processor's limits")));
+        }
+        let g = &cfg.geometry;
+        let (nh, nw) = askgui_kernels::smart_resize(h, w, g.factor(), cfg.min_pixels, cfg.max_pixels)
+            .map_err(|e| err(e.to_string()))?;
+        let grid = [1, nh / g.patch_size, nw / g.patch_size];
+        out.insert(image, (grid, grid.iter().product::<usize>() / (g.merge_size * g.merge_size)));
+    }
+    Ok((out, mismatched))
+}
+
+/// Token ids, the loss mask and the images in order, for rendered messages.
+fn encode(
+    tok: &QwenTokenizer,
+    messages: &[ChatMessage],
+    tokens: &ImageTokens,
+) -> Result<(Vec<u32>, Vec<bool>, Vec<PathBuf>)> {
+    let r = render_chatml(messages, false);
+    // (start, end, supervised) pieces covering the text.
+    let mut pieces = Vec::new();
+    let mut at = 0;
+    for s in &r.loss_spans {
+        pieces.push((at, s.start, false));
+        pieces.push((s.start, s.end, true));
+        at = s.end;
+    }
+    pieces.push((at, r.text.len(), false));
+    let mut counts = r.images.iter().map(|p| tokens.get(p).map(|t| t.1));
+    let (mut ids, mut mask) = (Vec::new(), Vec::new());
+    for (a, b, sup) in pieces {
+        if a == b {
+            continue;
+        }
+        for t in tok.encode(&r.text[a..b])? {
+            let n = if t == tok.image_pad_id {
+                counts
+                    .next()
+                    .flatten()
+                    .ok_or_else(|| TrainError::Data("the prompt has more image placeholders than images".into()))?
+            } else {
+                1
+            };
+            ids.extend(std::iter::repeat_n(t, n));
+            mask.extend(std::iter::repeat_n(sup, n));
+        }
+    }
+    if counts.next().is_some() {
+        return Err(TrainError::Data("the prompt has fewer image placeholders than images".into()));
+    }
+    Ok((ids, mask, r.images))
+}
+
+/// The user message's content (the one with the task, history and screenshots).
+fn user_content(messages: &mut [ChatMessage]) -> Option<&mut Vec<Part>> {
+    messages.iter_mut().find(|m| m.role == "user").map(|m| &mut m.content)
+}
+
+const HISTORY_HEADER: &str = "History:\n";
+
+/// Keeps the last `keep` lines of the history text.
+fn cap_history(messages: &mut [ChatMessage], keep: usize) {
+    let Some(content) = user_content(messages) else { return };
+    for p in content.iter_mut() {
+        if let Part::Text { text } = p {
+            if let Some(body) = text.strip_prefix(HISTORY_HEADER) {
+                let lines: Vec<&str> = body.lines().collect();
+                if lines.len() > keep {
+                    *text = format!("{HISTORY_HEADER}{}\n", lines[lines.len() - keep..].join("\n"));
+                }
+            }
+        }
+    }
+}
+
+/// Removes the oldest piece of history: the oldest earlier screenshot (with its label) if there is one,
+/// else the oldest history line. False when there is no history left.
+fn drop_oldest_history(messages: &mut [ChatMessage]) -> bool {
+    let Some(content) = user_content(messages) else { return false };
+    let earlier =
+        content.iter().position(|p| matches!(p, Part::Text { text } if text.starts_with("Earlier screenshot")));
+    if let Some(i) = earlier {
+        if matches!(content.get(i + 1), Some(Part::Image { .. })) {
+            content.drain(i..i + 2);
+            return true;
+        }
+    }
+    for i in 0..content.len() {
+        if let Part::Text { text } = &mut content[i] {
+            if let Some(body) = text.strip_prefix(HISTORY_HEADER) {
+                let rest: Vec<&str> = body.lines().skip(1).collect();
+                if rest.is_empty() {
+                    content.remove(i);
+                } else {
+                    *text = format!("{HISTORY_HEADER}{}\n", rest.join("\n"));
+                }
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// Decodes and preprocesses a sample's screenshots into a [`TrainExample`].
+pub fn example(s: &PreparedSample, cfg: &ImageProcessorConfig, device: &Device) -> Result<TrainExample> {
+    let mut pixels = Vec::with_capacity(s.images.len());
+    for (p, grid) in s.images.iter().zip(&s.grids) {
+        let img = preprocess(&load_image(p, cfg.max_input_pixels)?, cfg)?;
+        if img.grid_thw != *grid {
+            return Err(TrainError::Data(format!(
+                "{}: the image gave grid {:?} but its header promised {grid:?}; did the file change?",
+                p.display(),
+                img.grid_thw
+            )));
+        }
+        pixels.push(img.pixel_tensor(device)?);
+    }
+    let pixel_values = if pixels.is_empty() { None } else { Some(Tensor::cat(&pixels, 0)?) };
+    Ok(TrainExample { ids: s.ids.clone(), labels_mask: s.labels_mask.clone(), pixel_values, grid_thw: s.grids.clone() })
+}
+
+/// Where a run is in its data: the epoch and the next index into that epoch's order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataPosition {
+    pub epoch: usize,
+    pub index: usize,
+}
+
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The order of epoch `epoch`: a permutation of `0..n` fixed by `(seed, epoch)`.
+pub fn epoch_order(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
+    let mut state = seed ^ (epoch as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        // Multiply-shift gives an unbiased-enough index in 0..=i for any realistic n (< 2^32).
+        let j = ((splitmix64(&mut state) >> 32) * (i as u64 + 1)) >> 32;
+        order.swap(i, j as usize);
+    }
+    order
+}
+
+/// Optimiser steps in one epoch of `n` samples at `per_step` sequences a step (the last may be short).
+pub fn steps_per_epoch(n: usize, per_step: usize) -> usize {
+    n.div_ceil(per_step)
+}
+
+/// The sample indices of the step that starts at `pos`, and the position after it. A step never spans
+/// two epochs.
+pub fn step_samples(n: usize, per_step: usize, seed: u64, pos: DataPosition) -> (Vec<usize>, DataPosition) {
+    let pos = if pos.index >= n { DataPosition { epoch: pos.epoch + 1, index: 0 } } else { pos };
+    let order = epoch_order(n, seed, pos.epoch);
+    let end = (pos.index + per_step).min(n);
+    (order[pos.index..end].to_vec(), DataPosition { epoch: pos.epoch, index: end })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PINNED: [usize; 8] = [1, 2, 6, 5, 4, 0, 3, 7];
+
+    #[test]
+    fn epoch_order_is_a_fixed_permutation() {
+        let a = epoch_order(50, 7, 0);
+        let mut sorted = a.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..50).collect::<Vec<_>>());
+        assert_eq!(a, epoch_order(50, 7, 0));
+        assert_ne!(a, epoch_order(50, 7, 1));
+        assert_ne!(a, epoch_order(50, 8, 0));
+        // Pinned: a change of the shuffle would silently change what a resumed run trains on.
+        assert_eq!(epoch_order(8, 0, 0), PINNED);
+    }
+
+    #[test]
+    fn steps_walk_epochs_without_spanning_them() {
+        let (n, per) = (5, 2);
+        let mut pos = DataPosition::default();
+        let mut seen = vec![];
+        for _ in 0..2 * steps_per_epoch(n, per) {
+            let (idx, next) = step_samples(n, per, 3, pos);
+            seen.push((pos.epoch.max(next.epoch), idx.len()));
+            pos = next;
+        }
+        assert_eq!(seen, [(0, 2), (0, 2), (0, 1), (1, 2), (1, 2), (1, 1)]);
+    }
+
+    fn user(parts: Vec<Part>) -> Vec<ChatMessage> {
+        vec![ChatMessage { role: "user".into(), content: parts, loss: false }]
+    }
+
+    #[test]
+    fn history_is_dropped_oldest_first_screenshots_before_lines() {
+        let text = |t: &str| Part::Text { text: t.into() };
+        let mut m = user(vec![
+            text("Task: t\n"),
+            text("History:\n1. a\n2. b\n3. c\n"),
+            text("Earlier screenshot 2:"),
+            Part::Image { path: "s0.png".into() },
+            text("Earlier screenshot 1:"),
+            Part::Image { path: "s1.png".into() },
+            text("Current screenshot:"),
+        ]);
+        cap_history(&mut m, 2);
+        assert_eq!(m[0].content[1], text("History:\n2. b\n3. c\n"));
+        assert!(drop_oldest_history(&mut m));
+        assert_eq!(m[0].content[2], text("Earlier screenshot 1:"));
+        assert!(drop_oldest_history(&mut m));
+        assert!(drop_oldest_history(&mut m));
+        assert_eq!(m[0].content[1], text("History:\n3. c\n"));
+        assert!(drop_oldest_history(&mut m));
+        assert_eq!(m[0].content, [text("Task: t\n"), text("Current screenshot:")]);
+        assert!(!drop_oldest_history(&mut m));
+    }
+}

@@ -1,0 +1,20 @@
+//! askgui-train: LoRA fine-tuning of Qwen2.5-VL / Qwen2-VL GUI agents on askgui episodes.
+//!
+//! [`config`] (clap + serde options, TOML files, presets), [`data`] (episodes -> token ids with a loss
+//! mask, the data order), [`optim`] (AdamW, the warmup + cosine schedule, clipping), [`checkpoint`]
+//! (atomic PEFT-format checkpoints with the optimiser and trainer state), [`plot`] (curves.svg) and
+//! [`trainer`] (the loop). The model's training path (LoRA `Var`s, loss and gradients) is askgui-model's;
+//! prompts are askgui-data's, the same code that serve and eval use, so a model is trained on exactly the
+//! prompts it will be asked.
+
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod error;
+pub mod optim;
+pub mod plot;
+pub mod trainer;
+
+pub use config::{Mode, Preset, RunControl, TrainConfig};
+pub use error::{Result, TrainError};
+pub use trainer::{train, StepLog, TrainSummary};

@@ -1,0 +1,33 @@
+//! `askgui-train`: parses the command line (and `--config`, `--preset`, `--resume`'s saved config) and
+//! runs the training loop; everything else is in the library.
+//!
+//! A tiny CPU run on the test fixture:
+//! `askgui-train --model model/tests/fixtures/tiny-qwen2_5_vl --data DIR/train.jsonl --max-pixels 12544 --lr 1e-2`
+
+use anyhow::Result;
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let (cfg, control) = match askgui_train::config::from_args(std::env::args_os()) {
+        Ok(c) => c,
+        Err(askgui_train::TrainError::Cli(e)) => e.exit(),
+        Err(e) => return Err(e.into()),
+    };
+    let summary = askgui_train::train(&cfg, &control)?;
+    let last = summary.steps.last();
+    tracing::info!(
+        steps = summary.steps.len(),
+        final_loss = last.map(|s| s.loss),
+        val_loss = summary.val_losses.last().map(|v| v.1),
+        checkpoint = ?summary.last_checkpoint,
+        stopped_early = summary.stopped_early,
+        "done"
+    );
+    Ok(())
+}

@@ -1,0 +1,338 @@
+//! AdamW with decoupled weight decay, the learning-rate schedule (linear warmup + cosine) and global
+//! gradient-norm clipping.
+//!
+//! Why our own AdamW and not candle-nn's: resuming needs the optimiser state (first and second moments
+//! and the step count of every parameter) saved and loaded by name, which candle-nn's does not expose.
+//! The update is torch.optim.AdamW's single-tensor formula, operation for operation (Loshchilov & Hutter,
+//! "Decoupled Weight Decay Regularization", 2019):
+//! ```text
+//! p <- p * (1 - lr * wd)
+//! m <- lerp(m, g, 1 - b1)            v <- b2 v + (1 - b2) g^2
+//! p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+//! ```
+//! The moments are kept in f32 whatever the parameters' dtype. As in torch, a parameter without a
+//! gradient this step is left alone (no decay, no moment update, its step count unchanged).
+//!
+//! The schedule is transformers' `get_cosine_schedule_with_warmup` (with an optional floor, as its
+//! `cosine_with_min_lr`): the lr of optimiser step `i` (0-based) is `peak * i / warmup` during warmup,
+//! so the first step of a warmed-up run has lr 0, exactly as a transformers Trainer run.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::error::{Result, TrainError};
+
+/// AdamW's hyper-parameters except the learning rate, which the schedule gives each step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWParams {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWParams {
+    /// torch.optim.AdamW's defaults.
+    fn default() -> Self {
+        Self { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 1e-2 }
+    }
+}
+
+/// One parameter's state.
+struct Slot {
+    name: String,
+    var: Var,
+    /// First and second moments, f32, the parameter's shape.
+    m: Tensor,
+    v: Tensor,
+    /// Updates applied to this parameter.
+    step: u64,
+}
+
+pub struct AdamW {
+    params: AdamWParams,
+    slots: Vec<Slot>,
+}
+
+impl AdamW {
+    /// An optimiser over named variables (names must be unique: they key the saved state).
+    pub fn new(vars: Vec<(String, Var)>, params: AdamWParams) -> Result<Self> {
+        let mut seen = std::collections::HashSet::new();
+        let mut slots = Vec::with_capacity(vars.len());
+        for (name, var) in vars {
+            if !seen.insert(name.clone()) {
+                return Err(TrainError::Data(format!("parameter `{name}` is given twice to the optimiser")));
+            }
+            let m = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+            slots.push(Slot { name, v: m.clone(), m, var, step: 0 });
+        }
+        Ok(Self { params, slots })
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The variables in optimiser order.
+    pub fn vars(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.slots.iter().map(|s| (s.name.as_str(), &s.var))
+    }
+
+    /// Whether every parameter is finite: `0 * x` is 0 for a finite `x` and NaN otherwise, so its sum
+    /// cannot overflow on large but finite weights.
+    pub fn all_finite(&self) -> Result<bool> {
+        for s in &self.slots {
+            let t = s.var.as_tensor().to_dtype(DType::F32)?;
+            if t.affine(0.0, 0.0)?.sum_all()?.to_scalar::<f32>()? != 0.0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// One update with learning rate `lr`; `grads[i]` is the gradient of the `i`-th variable (None: no
+    /// gradient this step).
+    pub fn step(&mut self, grads: &[Option<Tensor>], lr: f64) -> Result<()> {
+        if grads.len() != self.slots.len() {
+            return Err(TrainError::Data(format!("{} gradients for {} parameters", grads.len(), self.slots.len())));
+        }
+        let AdamWParams { beta1, beta2, eps, weight_decay } = self.params;
+        for (s, g) in self.slots.iter_mut().zip(grads) {
+            let Some(g) = g else { continue };
+            s.step += 1;
+            let g = g.to_dtype(DType::F32)?;
+            let p = s.var.as_tensor().to_dtype(DType::F32)?;
+            let p = if weight_decay != 0.0 { p.affine(1.0 - lr * weight_decay, 0.0)? } else { p };
+            // lerp(m, g, 1 - b1) = m + (1 - b1) (g - m), as torch's `exp_avg.lerp_`.
+            s.m = (&s.m + ((&g - &s.m)? * (1.0 - beta1))?)?;
+            s.v = ((&s.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let bc1 = 1.0 - beta1.powi(s.step as i32);
+            let bc2_sqrt = (1.0 - beta2.powi(s.step as i32)).sqrt();
+            let denom = ((s.v.sqrt()? / bc2_sqrt)? + eps)?;
+            let p = (p - ((&s.m / denom)? * (lr / bc1))?)?;
+            s.var.set(&p.to_dtype(s.var.dtype())?)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the state (`<name>.exp_avg`, `<name>.exp_avg_sq`, `<name>.step`) as safetensors.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let mut t = HashMap::new();
+        for s in &self.slots {
+            t.insert(format!("{}.exp_avg", s.name), s.m.to_device(&Device::Cpu)?);
+            t.insert(format!("{}.exp_avg_sq", s.name), s.v.to_device(&Device::Cpu)?);
+            t.insert(format!("{}.step", s.name), Tensor::new(&[s.step as i64], &Device::Cpu)?);
+        }
+        candle_core::safetensors::save(&t, path)
+            .map_err(|e| TrainError::Checkpoint { path: path.into(), reason: format!("cannot write: {e}") })
+    }
+
+    /// Reads a state written by [`Self::save`] for the same parameters (names and shapes must match).
+    pub fn load(&mut self, path: &Path) -> Result<()> {
+        let err = |reason: String| TrainError::Checkpoint { path: path.into(), reason };
+        let t = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| err(format!("cannot read: {e}")))?;
+        if t.len() != 3 * self.slots.len() {
+            return Err(err(format!("{} tensors for {} parameters (3 each)", t.len(), self.slots.len())));
+        }
+        for s in &mut self.slots {
+            let get = |k: &str| t.get(&format!("{}.{k}", s.name)).ok_or_else(|| err(format!("no `{}.{k}`", s.name)));
+            let (m, v) = (get("exp_avg")?, get("exp_avg_sq")?);
+            if m.dims() != s.var.dims() || v.dims() != s.var.dims() {
+                return Err(err(format!(
+                    "`{}` has moments of shape {:?} but the parameter is {:?}",
+                    s.name,
+                    m.dims(),
+                    s.var.dims()
+                )));
+            }
+            let dev = s.var.device();
+            s.m = m.to_dtype(DType::F32)?.to_device(dev)?;
+            s.v = v.to_dtype(DType::F32)?.to_device(dev)?;
+            s.step = get("step")?.to_vec1::<i64>()?.first().copied().unwrap_or(0) as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Linear warmup then cosine decay to `peak * min_ratio`, over `total` optimiser steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Schedule {
+    pub peak: f64,
+    pub warmup: usize,
+    pub total: usize,
+    pub min_ratio: f64,
+}
+
+impl Schedule {
+    /// The learning rate of optimiser step `step` (0-based).
+    pub fn lr(&self, step: usize) -> f64 {
+        if step < self.warmup {
+            return self.peak * step as f64 / self.warmup.max(1) as f64;
+        }
+        let progress = (step - self.warmup) as f64 / self.total.saturating_sub(self.warmup).max(1) as f64;
+        let cosine = (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0);
+        self.peak * (self.min_ratio + (1.0 - self.min_ratio) * cosine)
+    }
+}
+
+/// The global L2 norm of all gradients (computed in f64 from per-tensor f32 sums of squares), and, when
+/// `max_norm > 0` and the norm exceeds it, every gradient scaled by `max_norm / (norm + 1e-6)` as
+/// torch's `clip_grad_norm_` does. Returns the norm before clipping.
+pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64> {
+    let mut sq = 0f64;
+    for g in grads.iter().flatten() {
+        sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    }
+    let norm = sq.sqrt();
+    if max_norm > 0.0 && norm.is_finite() {
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            for g in grads.iter_mut().flatten() {
+                *g = (&*g * coef)?;
+            }
+        }
+    }
+    Ok(norm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_nn::Optimizer;
+
+    fn var(v: &[f64]) -> Var {
+        Var::from_tensor(&Tensor::new(v, &Device::Cpu).unwrap()).unwrap()
+    }
+
+    fn values(v: &Var) -> Vec<f64> {
+        v.as_tensor().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn one_step_matches_the_hand_computed_update() {
+        let p = AdamWParams { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+        let x = var(&[1.0, -2.0]);
+        let mut opt = AdamW::new(vec![("x".into(), x.clone())], p).unwrap();
+        let g = Tensor::new(&[0.5f64, -0.25], &Device::Cpu).unwrap();
+        opt.step(&[Some(g)], 0.01).unwrap();
+        // Step 1: m = 0.1 g, v = 0.001 g^2, m_hat = g, v_hat = g^2, so the update is lr * g / (|g| + eps)
+        // = lr * sign(g) (up to eps), after the decay p (1 - lr wd).
+        let want = |p0: f64, g: f64| p0 * (1.0 - 0.01 * 0.1) - 0.01 * g / (g.abs() + 1e-8);
+        let got = values(&x);
+        for (i, (p0, g)) in [(1.0, 0.5), (-2.0, -0.25)].into_iter().enumerate() {
+            // f32 arithmetic inside: 1e-6 absolute is a few ulps at these magnitudes.
+            assert!((got[i] - want(p0, g)).abs() < 1e-6, "{i}: {} vs {}", got[i], want(p0, g));
+        }
+    }
+
+    #[test]
+    fn matches_candle_nn_adamw_over_several_steps() {
+        let p = AdamWParams { beta1: 0.8, beta2: 0.95, eps: 1e-6, weight_decay: 0.05 };
+        let init = [0.3, -1.2, 2.5, 0.0, -0.7];
+        let (ours, theirs) = (var(&init), var(&init));
+        let mut a = AdamW::new(vec![("w".into(), ours.clone())], p).unwrap();
+        let params = candle_nn::ParamsAdamW { lr: 0.03, beta1: 0.8, beta2: 0.95, eps: 1e-6, weight_decay: 0.05 };
+        let mut b = candle_nn::AdamW::new(vec![theirs.clone()], params).unwrap();
+        for step in 0..5 {
+            // A quadratic loss sum((w - c)^2) with gradient 2 (w - c), the same for both.
+            let c = Tensor::new(&[1.0f64, 0.5, -0.5, 2.0, 0.1], &Device::Cpu).unwrap();
+            let loss_b = theirs.as_tensor().sub(&c).unwrap().sqr().unwrap().sum_all().unwrap();
+            let grads = loss_b.backward().unwrap();
+            let g = ((ours.as_tensor() - &c).unwrap() * 2.0).unwrap();
+            a.step(&[Some(g)], 0.03).unwrap();
+            b.step(&grads).unwrap();
+            // Ours runs in f32 (the moments are f32), candle-nn in f64: 1e-6 covers f32 rounding at |w| < 3.
+            for (x, y) in values(&ours).iter().zip(values(&theirs)) {
+                assert!((x - y).abs() < 1e-6, "step {step}: {x} vs {y}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_parameter_without_gradient_is_untouched() {
+        let (x, y) = (var(&[1.0]), var(&[1.0]));
+        let mut opt =
+            AdamW::new(vec![("x".into(), x.clone()), ("y".into(), y.clone())], AdamWParams::default()).unwrap();
+        opt.step(&[Some(Tensor::new(&[1.0f64], &Device::Cpu).unwrap()), None], 0.1).unwrap();
+        assert_eq!(values(&y), [1.0]);
+        assert!(values(&x)[0] < 1.0);
+        assert_eq!(opt.slots[1].step, 0);
+    }
+
+    #[test]
+    fn schedule_values_at_known_points() {
+        let s = Schedule { peak: 1e-3, warmup: 10, total: 110, min_ratio: 0.0 };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-15;
+        assert!(close(s.lr(0), 0.0));
+        assert!(close(s.lr(5), 5e-4));
+        assert!(close(s.lr(10), 1e-3));
+        assert!(close(s.lr(60), 5e-4), "half way through the cosine: {}", s.lr(60));
+        assert!(close(s.lr(110), 0.0));
+        let floor = Schedule { min_ratio: 0.1, ..s };
+        assert!(close(floor.lr(60), 1e-3 * (0.1 + 0.9 * 0.5)));
+        assert!(close(floor.lr(110), 1e-4));
+        let flat = Schedule { peak: 2.0, warmup: 0, total: 4, min_ratio: 0.0 };
+        let want = [2.0, 2.0 * (0.5 + 0.5 * std::f64::consts::FRAC_PI_4.cos()), 1.0];
+        for (i, w) in want.into_iter().enumerate() {
+            assert!(close(flat.lr(i), w), "{i}: {} vs {w}", flat.lr(i));
+        }
+    }
+
+    #[test]
+    fn finiteness_of_the_parameters() {
+        let x = var(&[1e30, -3.0]);
+        let opt = AdamW::new(vec![("x".into(), x.clone())], AdamWParams::default()).unwrap();
+        assert!(opt.all_finite().unwrap(), "large is not infinite");
+        for bad in [f64::NAN, f64::INFINITY] {
+            x.set(&Tensor::new(&[bad, 0.0], &Device::Cpu).unwrap()).unwrap();
+            assert!(!opt.all_finite().unwrap());
+        }
+    }
+
+    #[test]
+    fn clipping_scales_to_the_max_norm() {
+        let t = |v: &[f32]| Some(Tensor::new(v, &Device::Cpu).unwrap());
+        let mut g = vec![t(&[3.0]), None, t(&[0.0, 4.0])];
+        let n = clip_grad_norm(&mut g, 1.0).unwrap();
+        assert!((n - 5.0).abs() < 1e-6);
+        let after = clip_grad_norm(&mut g, 0.0).unwrap();
+        assert!((after - 1.0).abs() < 1e-5, "{after}");
+        let mut small = vec![t(&[0.3])];
+        clip_grad_norm(&mut small, 1.0).unwrap();
+        assert_eq!(small[0].as_ref().unwrap().to_vec1::<f32>().unwrap(), [0.3]);
+    }
+
+    #[test]
+    fn state_round_trips_through_safetensors() {
+        let dir = std::env::temp_dir().join(format!("askgui-train-optim-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("optimizer.safetensors");
+        let run = |resume_at: Option<usize>| -> Vec<f64> {
+            let x = var(&[0.5, -0.5, 1.5]);
+            let mut opt = AdamW::new(vec![("x".into(), x.clone())], AdamWParams::default()).unwrap();
+            for i in 0..6 {
+                if resume_at == Some(i) {
+                    opt.save(&path).unwrap();
+                    let snapshot = x.as_tensor().copy().unwrap();
+                    let x2 = Var::from_tensor(&snapshot).unwrap();
+                    let mut fresh = AdamW::new(vec![("x".into(), x2.clone())], AdamWParams::default()).unwrap();
+                    fresh.load(&path).unwrap();
+                    opt = fresh;
+                }
+                let g = (opt.slots[0].var.as_tensor() * 2.0).unwrap();
+                opt.step(&[Some(g)], 0.05).unwrap();
+            }
+            values(&opt.slots[0].var)
+        };
+        assert_eq!(run(None), run(Some(3)), "a saved and reloaded state continues bitwise identically");
+        let mut other = AdamW::new(vec![("y".into(), var(&[1.0, 2.0, 3.0]))], AdamWParams::default()).unwrap();
+        assert!(other.load(&path).unwrap_err().to_string().contains("no `y.exp_avg`"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

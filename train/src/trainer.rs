@@ -1,0 +1,432 @@
+//! The training loop, in one function you can read top to bottom: per step, the samples of the next data
+//! position, micro-batches (forward + backward, gradients accumulated), clipping, the AdamW step, one log
+//! line (tracing, metrics.jsonl, the progress bar), then the periodic eval loss and checkpoint (with a
+//! redrawn curves.svg).
+//!
+//! Accumulation weights each micro-batch's mean loss and gradients by its share of the step's supervised
+//! tokens, so a step's loss and gradient are those of one batch holding all its sequences (the mean over
+//! every supervised token, as transformers' `labels` with -100 elsewhere), whatever the micro-batch size.
+//!
+//! Resuming: the adapter, the optimiser state, the step and the data position come from the checkpoint;
+//! the data order and the dropout masks are functions of (seed, epoch, step), so a resumed run computes
+//! the same steps as an uninterrupted one. A non-finite loss or gradient norm stops the run before the
+//! update, and non-finite weights after it stop it before any checkpoint, so the last checkpoint written
+//! stays the last good one.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use askgui_data::PromptConfig;
+use askgui_model::{ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions};
+use candle_core::{DType, Device, Tensor};
+use serde::Serialize;
+
+use crate::checkpoint::{self, TrainerState};
+use crate::config::{RunControl, TrainConfig};
+use crate::data::{self, DataOptions, DataPosition, DataStats, Dataset};
+use crate::error::{io, Result, TrainError};
+use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
+
+/// The adapter's name inside the model.
+const ADAPTER: &str = "train";
+pub const METRICS_FILE: &str = "metrics.jsonl";
+pub const CURVES_FILE: &str = "curves.svg";
+
+/// One optimiser step, as logged.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepLog {
+    pub step: usize,
+    pub epoch: usize,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub sequences: usize,
+    pub tokens: usize,
+    pub supervised_tokens: usize,
+    pub tokens_per_s: f64,
+    pub elapsed_s: f64,
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    /// The steps this invocation ran (a resumed run starts after the checkpoint's step).
+    pub steps: Vec<StepLog>,
+    /// `(step, val loss)` of each eval.
+    pub val_losses: Vec<(usize, f64)>,
+    pub train_data: DataStats,
+    pub val_data: Option<DataStats>,
+    pub total_steps: usize,
+    pub last_checkpoint: Option<PathBuf>,
+    /// True when [`RunControl::stop_after`] ended the run before `total_steps`.
+    pub stopped_early: bool,
+}
+
+/// The seed of micro-batch `micro` of step `step`'s dropout masks.
+fn dropout_seed(seed: u64, step: usize, micro: usize) -> u64 {
+    seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (((step as u64) << 20) | micro as u64)
+}
+
+/// Appends JSON lines to metrics.jsonl.
+struct Metrics(std::fs::File, PathBuf);
+
+impl Metrics {
+    /// Opens `dir/metrics.jsonl`, keeping only the lines of steps up to `keep_through` (a resumed run
+    /// drops what an interrupted run logged after its checkpoint).
+    fn open(dir: &Path, keep_through: usize) -> Result<Self> {
+        let path = dir.join(METRICS_FILE);
+        let old = std::fs::read_to_string(&path).unwrap_or_default();
+        let kept: String = old
+            .lines()
+            .filter(|l| {
+                let step = serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v["step"].as_u64());
+                step.is_some_and(|s| s as usize <= keep_through)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(&path, kept).map_err(io(&path))?;
+        let f = std::fs::OpenOptions::new().append(true).open(&path).map_err(io(&path))?;
+        Ok(Self(f, path))
+    }
+
+    fn write(&mut self, v: &impl Serialize) -> Result<()> {
+        let line = serde_json::to_string(v).expect("metrics serialise");
+        writeln!(self.0, "{line}").map_err(io(&self.1))
+    }
+}
+
+/// Redraws `dir/curves.svg` from `dir/metrics.jsonl` (written aside and renamed, so a reader never sees
+/// half a picture).
+fn draw_curves(dir: &Path) -> Result<()> {
+    let metrics = dir.join(METRICS_FILE);
+    let text = std::fs::read_to_string(&metrics).map_err(io(&metrics))?;
+    let (train, val) = crate::plot::read_points(&text);
+    let (tmp, path) = (dir.join(format!(".{CURVES_FILE}.tmp")), dir.join(CURVES_FILE));
+    std::fs::write(&tmp, crate::plot::curves_svg(&train, &val)).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io(&path))
+}
+
+/// The token-weighted mean loss over (up to `limit` of) the validation samples, dropout off.
+fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device) -> Result<f64> {
+    let n = if cfg.run.eval_samples > 0 { cfg.run.eval_samples.min(val.samples.len()) } else { val.samples.len() };
+    let (mut sum, mut tokens) = (0.0, 0usize);
+    for chunk in val.samples[..n].chunks(cfg.optim.batch_size) {
+        let batch = chunk.iter().map(|s| data::example(s, &model.image_config, device)).collect::<Result<Vec<_>>>()?;
+        let (loss, sup) = model.eval_loss(&batch)?;
+        sum += loss * sup as f64;
+        tokens += sup;
+    }
+    Ok(sum / tokens.max(1) as f64)
+}
+
+/// The model in f32 on the CPU, with the image processor's pixel bounds from `cfg` where it sets them.
+fn load_model(cfg: &TrainConfig, device: &Device) -> Result<Qwen2Vl> {
+    let mut model = Qwen2Vl::load(cfg.model.model.as_deref().expect("validated"), device, DType::F32)?;
+    let ic = &mut model.image_config;
+    if cfg.data.min_pixels > 0 {
+        ic.min_pixels = cfg.data.min_pixels;
+    }
+    if cfg.data.max_pixels > 0 {
+        ic.max_pixels = cfg.data.max_pixels;
+    }
+    if ic.min_pixels > ic.max_pixels {
+        return Err(TrainError::Config(format!("min_pixels {} > max_pixels {}", ic.min_pixels, ic.max_pixels)));
+    }
+    Ok(model)
+}
+
+/// How the data loader builds prompts: `cfg`'s data options and the image processor's pixel bounds (the
+/// coordinate frame depends on them).
+fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
+    let d = &cfg.data;
+    DataOptions {
+        prompt: PromptConfig {
+            frame: d.frame,
+            min_pixels: ic.min_pixels,
+            max_pixels: ic.max_pixels,
+            history_images: d.history_images,
+            elements: d.elements,
+        },
+        task_mode: d.task_mode,
+        history_length: d.history_length,
+        max_seq_len: d.max_seq_len,
+        skip_bad_records: d.skip_bad_records,
+    }
+}
+
+/// Installs the trainable adapter, loaded from checkpoint `ckpt` or new, and the optimiser over it; returns
+/// where the run stands.
+fn adapter_and_optimiser(model: &mut Qwen2Vl, cfg: &TrainConfig, ckpt: Option<&Path>) -> Result<(AdamW, TrainerState)> {
+    let state = match ckpt {
+        Some(dir) => {
+            model.load_adapter(ADAPTER, dir)?;
+            model.make_adapter_trainable(ADAPTER)?;
+            checkpoint::read_state(dir)?
+        }
+        None => {
+            let l = &cfg.lora;
+            let targets: Vec<&str> = l.lora_targets.iter().map(String::as_str).collect();
+            let mut lora = LoraConfig::new(l.lora_rank, l.lora_alpha, &targets);
+            lora.lora_dropout = l.lora_dropout;
+            lora.base_model_name_or_path = cfg.model.model.clone();
+            model.add_trainable_adapter(ADAPTER, lora, cfg.run.seed)?;
+            TrainerState {
+                step: 0,
+                total_steps: 0,
+                position: DataPosition::default(),
+                seed: cfg.run.seed,
+                loss: f64::NAN,
+                tokens: 0,
+            }
+        }
+    };
+    model.set_active_adapter(Some(ADAPTER))?;
+    model.set_adapter_dropout(ADAPTER, cfg.lora.lora_dropout)?;
+    let o = &cfg.optim;
+    let params = AdamWParams { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: o.weight_decay };
+    let mut opt = AdamW::new(model.trainable_vars(ADAPTER)?, params)?;
+    if let Some(dir) = ckpt {
+        opt.load(&dir.join(checkpoint::OPTIMIZER_FILE))?;
+    }
+    Ok((opt, state))
+}
+
+/// Runs (or, with `control.resume`, continues) the training that `cfg` describes.
+pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
+    cfg.validate()?;
+    tracing::info!("resolved config:\n{}", cfg.to_toml());
+    let device = Device::Cpu;
+    let mut model = load_model(cfg, &device)?;
+    let tokenizer = model.tokenizer()?;
+
+    // Data.
+    let ic = model.image_config.clone();
+    let opts = data_options(cfg, &ic);
+    let train_set = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
+    tracing::info!(stats = ?train_set.stats, "training data {}", train_set.path.display());
+    let val_set = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &opts, &tokenizer, &ic)).transpose()?;
+    if let Some(v) = &val_set {
+        tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());
+    }
+
+    // Adapter and optimiser, fresh or from the checkpoint.
+    let ckpt = control.resume.as_deref().map(checkpoint::find).transpose()?;
+    let (mut opt, state) = adapter_and_optimiser(&mut model, cfg, ckpt.as_deref())?;
+    let o = &cfg.optim;
+
+    // The schedule.
+    let n = train_set.samples.len();
+    let per_step = cfg.sequences_per_step();
+    let total_steps = if o.max_steps > 0 { o.max_steps } else { o.epochs * data::steps_per_epoch(n, per_step) };
+    let warmup = o.warmup_steps.unwrap_or((o.warmup_ratio * total_steps as f64).ceil() as usize);
+    let schedule = Schedule { peak: o.lr, warmup, total: total_steps, min_ratio: o.min_lr_ratio };
+    if ckpt.is_some() && (state.total_steps != total_steps || state.seed != cfg.run.seed) {
+        tracing::warn!(
+            "the checkpoint was written by a run of {} steps with seed {}; this run has {total_steps} steps and \
+             seed {}: it will not reproduce the original run",
+            state.total_steps,
+            state.seed,
+            cfg.run.seed
+        );
+    }
+    tracing::info!(
+        samples = n,
+        sequences_per_step = per_step,
+        total_steps,
+        warmup,
+        trainable_tensors = opt.len(),
+        start_step = state.step,
+        "training"
+    );
+
+    let out = &cfg.run.output_dir;
+    if ckpt.is_none() && cfg.run.save_checkpoints {
+        if let Ok(existing) = checkpoint::find(out) {
+            return Err(TrainError::Config(format!(
+                "{} already holds checkpoints ({}); pass --resume {} to continue that run, or choose another \
+                 --output-dir",
+                out.display(),
+                existing.display(),
+                out.display()
+            )));
+        }
+    }
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let mut metrics = Metrics::open(out, state.step)?;
+    let bar = if cfg.run.progress {
+        indicatif::ProgressBar::new(total_steps as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]")
+            .expect("valid template"),
+    );
+    bar.set_position(state.step as u64);
+    bar.reset_eta();
+
+    let save = |model: &Qwen2Vl, opt: &AdamW, state: &TrainerState| -> Result<PathBuf> {
+        let dir = checkpoint::write_atomically(out, &checkpoint::dir_name(state.step), |tmp| {
+            model.save_adapter_as(ADAPTER, tmp, cfg.run.adapter_keys.into())?;
+            opt.save(&tmp.join(checkpoint::OPTIMIZER_FILE))?;
+            checkpoint::write_state(tmp, state)?;
+            let path = tmp.join(checkpoint::CONFIG_FILE);
+            std::fs::write(&path, cfg.to_toml()).map_err(io(path))
+        })?;
+        bar.suspend(|| tracing::info!(step = state.step, "checkpoint {}", dir.display()));
+        draw_curves(out)?;
+        Ok(dir)
+    };
+
+    let mut summary = TrainSummary {
+        steps: vec![],
+        val_losses: vec![],
+        train_data: train_set.stats.clone(),
+        val_data: val_set.as_ref().map(|v| v.stats.clone()),
+        total_steps,
+        last_checkpoint: ckpt.clone(),
+        stopped_early: false,
+    };
+    let mut state = TrainerState { total_steps, seed: cfg.run.seed, ..state };
+    let started = Instant::now();
+    let mut saved_at = ckpt.as_ref().map(|_| state.step);
+    let step_opts = |step: usize, micro: usize| StepOptions {
+        checkpointing: cfg.run.grad_checkpointing,
+        dropout_seed: dropout_seed(cfg.run.seed, step, micro),
+    };
+
+    while state.step < total_steps {
+        if control.stop_after.is_some_and(|n| state.step >= n) {
+            summary.stopped_early = true;
+            break;
+        }
+        let t0 = Instant::now();
+        let (indices, next) = data::step_samples(n, per_step, cfg.run.seed, state.position);
+        let samples: Vec<_> = indices.iter().map(|&i| &train_set.samples[i]).collect();
+        let supervised: usize = samples.iter().map(|s| s.supervised_tokens()).sum();
+        let tokens: usize = samples.iter().map(|s| s.ids.len()).sum();
+
+        // Micro-batches: forward + backward, gradients accumulated with token weights.
+        let mut grads: Vec<Option<Tensor>> = vec![None; opt.len()];
+        let (mut loss_sum, mut counted) = (0.0, 0);
+        for (micro, chunk) in samples.chunks(o.batch_size).enumerate() {
+            let batch =
+                chunk.iter().map(|s| data::example(s, &model.image_config, &device)).collect::<Result<Vec<_>>>()?;
+            let out = model.loss_and_grads(&batch, &step_opts(state.step, micro))?;
+            if !out.loss.is_finite() {
+                return Err(TrainError::NonFinite {
+                    what: "loss",
+                    value: out.loss,
+                    step: state.step + 1,
+                    micro_batch: Some(micro),
+                    last_checkpoint: summary.last_checkpoint.clone(),
+                });
+            }
+            let w = out.supervised_tokens as f64 / supervised as f64;
+            loss_sum += out.loss * w;
+            counted += out.supervised_tokens;
+            for (slot, (_, var)) in grads.iter_mut().zip(opt.vars()) {
+                if let Some(g) = out.grads.get(var.as_tensor()) {
+                    let g = (g * w)?;
+                    *slot = Some(match slot.take() {
+                        Some(acc) => (acc + g)?,
+                        None => g,
+                    });
+                }
+            }
+        }
+        if counted != supervised {
+            // The weights above would not sum to 1: the loader's mask and the model's disagree.
+            return Err(TrainError::Data(format!(
+                "step {}: the model supervised {counted} tokens where the data marks {supervised}",
+                state.step + 1
+            )));
+        }
+
+        // Clip, step.
+        let grad_norm = clip_grad_norm(&mut grads, o.max_grad_norm)?;
+        if !grad_norm.is_finite() {
+            return Err(TrainError::NonFinite {
+                what: "gradient norm",
+                value: grad_norm,
+                step: state.step + 1,
+                micro_batch: None,
+                last_checkpoint: summary.last_checkpoint.clone(),
+            });
+        }
+        let lr = schedule.lr(state.step);
+        opt.step(&grads, lr)?;
+        // A finite gradient can still overflow a weight; such weights must never reach a checkpoint.
+        if !opt.all_finite()? {
+            return Err(TrainError::NonFinite {
+                what: "updated adapter",
+                value: f64::NAN,
+                step: state.step + 1,
+                micro_batch: None,
+                last_checkpoint: summary.last_checkpoint.clone(),
+            });
+        }
+        state = TrainerState {
+            step: state.step + 1,
+            position: next,
+            loss: loss_sum,
+            tokens: state.tokens + tokens as u64,
+            ..state
+        };
+
+        // One log line.
+        let secs = t0.elapsed().as_secs_f64();
+        let log = StepLog {
+            step: state.step,
+            epoch: next.epoch,
+            loss: loss_sum,
+            lr,
+            grad_norm,
+            sequences: samples.len(),
+            tokens,
+            supervised_tokens: supervised,
+            tokens_per_s: tokens as f64 / secs.max(1e-9),
+            elapsed_s: started.elapsed().as_secs_f64(),
+        };
+        metrics.write(&log)?;
+        bar.set_message(format!("loss {:.4} lr {:.2e} {:.0} tok/s", log.loss, lr, log.tokens_per_s));
+        bar.set_position(state.step as u64);
+        bar.reset_eta();
+        bar.suspend(|| {
+            tracing::info!(
+                step = log.step,
+                epoch = log.epoch,
+                loss = log.loss,
+                lr = log.lr,
+                grad_norm = log.grad_norm,
+                tokens_per_s = log.tokens_per_s as u64,
+                "step"
+            )
+        });
+        summary.steps.push(log);
+
+        // Periodic eval and checkpoint.
+        let last = state.step == total_steps;
+        if let Some(val) = &val_set {
+            let every = cfg.run.eval_every;
+            if last || (every > 0 && state.step % every == 0) {
+                let v = eval_loss(&model, val, cfg, &device)?;
+                metrics.write(&serde_json::json!({"step": state.step, "val_loss": v}))?;
+                bar.suspend(|| tracing::info!(step = state.step, val_loss = v, "eval"));
+                summary.val_losses.push((state.step, v));
+            }
+        }
+        let every = cfg.run.save_every;
+        if cfg.run.save_checkpoints && (last || (every > 0 && state.step % every == 0)) {
+            summary.last_checkpoint = Some(save(&model, &opt, &state)?);
+            saved_at = Some(state.step);
+        }
+    }
+    if summary.stopped_early && cfg.run.save_checkpoints && saved_at != Some(state.step) {
+        summary.last_checkpoint = Some(save(&model, &opt, &state)?);
+    }
+    draw_curves(out)?;
+    bar.finish_and_clear();
+    Ok(summary)
+}

@@ -1,0 +1,338 @@
+//! End to end on the tiny random Qwen2.5-VL fixture with synthetic episodes from askgui-data: the loss
+//! falls, a stopped and resumed run repeats the uninterrupted one, bad records are reported with their
+//! line or skipped and counted, long samples are truncated and counted, and a non-finite loss stops the
+//! run with the last good checkpoint intact.
+//!
+//! Images are kept tiny (`--max-pixels 12544`: a few patches each) so that each test runs in seconds.
+
+use std::path::{Path, PathBuf};
+
+use askgui_data::synth::{synth, SynthArgs};
+use askgui_data::PromptConfig;
+use askgui_model::{ImageProcessorConfig, QwenTokenizer};
+use askgui_train::checkpoint;
+use askgui_train::config::from_args;
+use askgui_train::data::{self, DataOptions};
+use askgui_train::{RunControl, TrainConfig, TrainError};
+
+fn none() -> RunControl {
+    RunControl::default()
+}
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl")
+}
+
+/// A fresh folder under the target's tmp dir.
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("askgui-train-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `episodes` synthetic episodes (train split only) in `dir`; returns the JSONL path.
+fn episodes(dir: &Path, episodes: usize) -> PathBuf {
+    synth(&SynthArgs { out: dir.into(), episodes, seed: 11, width: 224, height: 400, split: "1:0:0".into() })
+        .expect("synth");
+    dir.join("train.jsonl")
+}
+
+/// The config the binary would resolve from these flags (plus the fixture and tiny images).
+fn config(data: &Path, out: &Path, flags: &str) -> TrainConfig {
+    let (m, d, o) = (fixture(), data.to_path_buf(), out.to_path_buf());
+    let mut argv: Vec<String> = ["askgui-train", "--model"].map(String::from).to_vec();
+    argv.push(m.display().to_string());
+    argv.extend(["--data".into(), d.display().to_string(), "--output-dir".into(), o.display().to_string()]);
+    argv.extend(["--max-pixels", "12544", "--progress", "false"].map(String::from));
+    argv.extend(flags.split_whitespace().map(String::from));
+    from_args(argv).unwrap().0
+}
+
+/// The fixture's tokenizer and image processor with the tests' small max_pixels.
+fn tokenizer_and_images() -> (QwenTokenizer, ImageProcessorConfig) {
+    let tok = QwenTokenizer::from_file(&fixture().join("tokenizer.json"), None).unwrap();
+    let mut images = ImageProcessorConfig::from_file(&fixture().join("preprocessor_config.json")).unwrap();
+    images.max_pixels = 12544;
+    (tok, images)
+}
+
+/// What the trainer passes to the data loader for default flags and the tests' max_pixels.
+fn data_options() -> DataOptions {
+    let (_, images) = tokenizer_and_images();
+    DataOptions {
+        prompt: PromptConfig { min_pixels: images.min_pixels, max_pixels: images.max_pixels, ..Default::default() },
+        task_mode: Default::default(),
+        history_length: 0,
+        max_seq_len: 8192,
+        skip_bad_records: false,
+    }
+}
+
+#[test]
+fn loss_is_finite_and_falls_at_a_high_lr() {
+    let dir = scratch("falls");
+    let data = episodes(&dir, 1);
+    let flags = "--lr 1e-2 --warmup-steps 0 --min-lr-ratio 1 --max-steps 10 --batch-size 1 --grad-accum 1 \
+        --lora-dropout 0 --save-checkpoints false --lora-rank 8";
+    let val = format!("--val {} --eval-every 5 --eval-samples 2", data.display());
+    let s = askgui_train::train(&config(&data, &dir.join("run"), &format!("{flags} {val}")), &none()).unwrap();
+    let losses: Vec<f64> = s.steps.iter().map(|l| l.loss).collect();
+    eprintln!("losses: {losses:?}");
+    assert_eq!(losses.len(), 10);
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    assert!(s.steps.iter().all(|l| l.lr == 1e-2), "constant lr from the first step");
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (head, tail) = (mean(&losses[..3]), mean(&losses[7..]));
+    assert!(tail < 0.75 * head, "the last three steps average {tail}, the first three {head}");
+    // The eval loss on (two samples of) the training episode is taken at steps 5 and 10, and falls.
+    eprintln!("val: {:?}", s.val_losses);
+    assert_eq!(s.val_losses.iter().map(|v| v.0).collect::<Vec<_>>(), [5, 10]);
+    assert!(s.val_losses[1].1 < s.val_losses[0].1 && s.val_losses[1].1.is_finite());
+    // metrics.jsonl has one line per step and one per eval.
+    let metrics = std::fs::read_to_string(dir.join("run").join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 12);
+    let svg = std::fs::read_to_string(dir.join("run").join("curves.svg")).unwrap();
+    assert!(svg.contains("<polyline") && svg.matches("<circle").count() == 2, "{svg}");
+}
+
+#[test]
+fn a_stopped_and_resumed_run_repeats_the_uninterrupted_run() {
+    let dir = scratch("resume");
+    let data = episodes(&dir, 1);
+    // Dropout, weight decay and two micro-batches a step, so that the dropout seeds, the decay and the
+    // accumulation are covered; 4 steps of 2 sequences cross an epoch boundary (the episode gives 5 or 6
+    // samples).
+    let flags = "--lr 5e-3 --warmup-steps 1 --max-steps 4 --batch-size 1 --grad-accum 2 --lora-dropout 0.1 \
+        --save-every 2 --seed 5 --lora-rank 4 --weight-decay 0.01 --adapter-keys transformers5";
+    let full = askgui_train::train(&config(&data, &dir.join("full"), flags), &none()).unwrap();
+    assert_eq!(full.steps.len(), 4);
+    assert_eq!(full.steps.last().unwrap().epoch, 1, "the run crosses an epoch");
+
+    let part_dir = dir.join("part");
+    let stop = RunControl { resume: None, stop_after: Some(2) };
+    let first = askgui_train::train(&config(&data, &part_dir, flags), &stop).unwrap();
+    // A fresh run into a folder with checkpoints is refused: it would overwrite them.
+    let e = askgui_train::train(&config(&data, &part_dir, flags), &stop).unwrap_err().to_string();
+    assert!(e.contains("already holds checkpoints") && e.contains("--resume"), "{e}");
+    assert!(first.stopped_early && first.steps.len() == 2);
+    let ckpt = first.last_checkpoint.clone().unwrap();
+    assert_eq!(ckpt, part_dir.join("checkpoint-0000002"));
+    for f in ["adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json"] {
+        assert!(ckpt.join(f).is_file(), "{f} missing");
+    }
+    // The adapter is in PEFT-on-transformers-5's key layout, as asked; resuming reads it back.
+    let adapter = candle_core::safetensors::load(ckpt.join("adapter_model.safetensors"), &candle_core::Device::Cpu);
+    let keys: Vec<String> = adapter.unwrap().into_keys().collect();
+    assert!(keys.iter().any(|k| k.starts_with("base_model.model.model.language_model.layers.0.")), "{keys:?}");
+    // Resume as a user would: only --resume; the rest comes from the checkpoint's config.toml.
+    let (cfg, control) = from_args(["askgui-train", "--resume", part_dir.to_str().unwrap()]).unwrap();
+    assert_eq!(control.resume.as_deref(), Some(part_dir.as_path()));
+    let second = askgui_train::train(&cfg, &control).unwrap();
+    assert_eq!(second.steps.first().map(|s| s.step), Some(3));
+
+    let resumed: Vec<f64> = first.steps.iter().chain(&second.steps).map(|s| s.loss).collect();
+    let straight: Vec<f64> = full.steps.iter().map(|s| s.loss).collect();
+    eprintln!("uninterrupted {straight:?}\nresumed       {resumed:?}");
+    // Bitwise: the resumed run loads the exact f32 adapter and moments, and every random draw and the data
+    // order are functions of (seed, epoch, step); candle's CPU kernels are deterministic at a fixed thread
+    // count.
+    assert_eq!(resumed, straight);
+    let lrs = |s: &askgui_train::TrainSummary| s.steps.iter().map(|l| l.lr).collect::<Vec<_>>();
+    assert_eq!([lrs(&first), lrs(&second)].concat(), lrs(&full));
+    // The metrics of the resumed folder hold each step once.
+    let metrics = std::fs::read_to_string(part_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 4);
+}
+
+#[test]
+fn bad_records_are_reported_with_their_line_or_skipped_and_counted() {
+    let dir = scratch("bad");
+    let data = episodes(&dir, 3);
+    let clean = std::fs::read_to_string(&data).unwrap();
+    let mut lines: Vec<String> = clean.lines().map(String::from).collect();
+    lines.insert(1, "{\"id\": \"broken\", \"steps\": [".into());
+    std::fs::write(&data, lines.join("\n") + "\n").unwrap();
+    let flags = "--max-steps 1 --save-checkpoints false";
+    let e = askgui_train::train(&config(&data, &dir.join("run"), flags), &none()).unwrap_err();
+    eprintln!("{e}");
+    assert!(matches!(e, TrainError::BadRecord { line: 2, .. }), "{e}");
+    assert!(e.to_string().contains("train.jsonl:2:"), "{e}");
+
+    let skip = DataOptions { skip_bad_records: true, ..data_options() };
+    let (tok, images) = tokenizer_and_images();
+    let d = data::load_dataset(&data, &skip, &tok, &images).unwrap();
+    assert_eq!((d.stats.records, d.stats.bad_records), (4, 1));
+    assert!(d.samples.iter().all(|s| s.line != 2) && d.samples.iter().any(|s| s.line == 4));
+
+    // A missing screenshot names the file, the line, the episode, the step and the image.
+    std::fs::write(&data, &clean).unwrap();
+    let first: serde_json::Value = serde_json::from_str(clean.lines().next().unwrap()).unwrap();
+    let image = dir.join(first["steps"][1]["screenshot"].as_str().unwrap());
+    std::fs::remove_file(&image).unwrap();
+    let e = askgui_train::train(&config(&data, &dir.join("run"), flags), &none()).unwrap_err();
+    let msg = e.to_string();
+    eprintln!("{msg}");
+    assert!(matches!(e, TrainError::Image { .. }), "{msg}");
+    let name = image.file_name().unwrap().to_str().unwrap();
+    assert!(msg.contains("train.jsonl:1:") && msg.contains("step 1") && msg.contains(name), "{msg}");
+    assert!(msg.contains("does not exist"), "{msg}");
+    // With --skip-bad-records that episode is left out and counted.
+    let d = data::load_dataset(&data, &skip, &tok, &images).unwrap();
+    assert_eq!((d.stats.records, d.stats.bad_records), (3, 1));
+    assert!(d.samples.iter().all(|s| s.line != 1));
+}
+
+#[test]
+fn long_samples_lose_their_oldest_history_and_are_counted() {
+    let dir = scratch("long");
+    let data = episodes(&dir, 3);
+    let (tok, images) = tokenizer_and_images();
+    let all = data::load_dataset(&data, &data_options(), &tok, &images).unwrap();
+    assert_eq!((all.stats.truncated, all.stats.too_long, all.stats.screen_mismatch), (0, 0, 0));
+    // A context at the mean length: the later steps of each episode (longer histories) must be cut, and
+    // a sample that is too long even without history is left out.
+    let limit = all.stats.tokens / all.stats.samples;
+    let cut = data::load_dataset(&data, &DataOptions { max_seq_len: limit, ..data_options() }, &tok, &images).unwrap();
+    let st = &cut.stats;
+    eprintln!("{:?}\n{st:?}", all.stats);
+    assert!(st.truncated > 0, "{st:?}");
+    assert_eq!(st.samples + st.too_long, all.stats.samples);
+    assert!(cut.samples.iter().all(|s| s.ids.len() <= limit));
+    let over = all.samples.iter().filter(|s| s.ids.len() > limit).count();
+    assert_eq!(st.truncated + st.too_long, over, "every sample over the limit was cut or left out");
+    // The target is never cut: each kept sample supervises the same tokens as its uncut twin.
+    let sup = |x: &data::PreparedSample| -> Vec<u32> {
+        x.ids.iter().zip(&x.labels_mask).filter(|(_, &m)| m).map(|(&t, _)| t).collect()
+    };
+    for s in &cut.samples {
+        let twin = all
+            .samples
+            .iter()
+            .find(|a| (a.line, a.step, &a.ids[a.ids.len() - 8..]) == (s.line, s.step, &s.ids[s.ids.len() - 8..]));
+        assert_eq!(sup(twin.unwrap()), sup(s));
+    }
+}
+
+#[test]
+fn a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
+    let dir = scratch("nan");
+    let data = episodes(&dir, 1);
+    let out = dir.join("run");
+    // An absurd lr puts every B near 1e35 after the first step; the next forward overflows f32.
+    let flags = "--lr 1e35 --warmup-steps 0 --max-steps 4 --batch-size 1 --grad-accum 1 --save-every 1 \
+        --max-grad-norm 0 --lora-dropout 0";
+    let e = askgui_train::train(&config(&data, &out, flags), &none()).unwrap_err();
+    let TrainError::NonFinite { step, last_checkpoint, .. } = &e else { panic!("{e}") };
+    eprintln!("{e}");
+    assert_eq!(*step, 2);
+    assert_eq!(last_checkpoint.as_deref(), Some(out.join("checkpoint-0000001").as_path()));
+    assert!(e.to_string().contains("step 2") && e.to_string().contains("checkpoint-0000001"), "{e}");
+    assert_eq!(checkpoint::read_state(&out.join("checkpoint-0000001")).unwrap().step, 1);
+    assert!(!out.join("checkpoint-0000002").exists());
+}
+
+/// The per-step losses logged in `dir/metrics.jsonl`.
+fn logged_losses(dir: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v["loss"].as_f64())
+        .collect()
+}
+
+#[test]
+fn a_killed_binary_resumes_from_its_last_checkpoint() {
+    let dir = scratch("kill");
+    let data = episodes(&dir, 1);
+    let flags = "--lr 5e-3 --warmup-steps 0 --max-steps 4 --batch-size 1 --grad-accum 1 --save-every 1 --seed 2 \
+        --lora-rank 4";
+    let reference: Vec<f64> = askgui_train::train(&config(&data, &dir.join("reference"), flags), &none())
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss)
+        .collect();
+
+    // The binary, killed (SIGKILL) as soon as its first checkpoint is complete.
+    let out = dir.join("killed");
+    let fixture = fixture();
+    let mut argv: Vec<&str> = vec!["--model", fixture.to_str().unwrap(), "--data", data.to_str().unwrap()];
+    argv.extend(["--output-dir", out.to_str().unwrap(), "--max-pixels", "12544", "--progress", "false"]);
+    argv.extend(flags.split_whitespace());
+    let log = std::fs::File::create(dir.join("log.txt")).unwrap();
+    let bin = env!("CARGO_BIN_EXE_askgui-train");
+    let mut child = std::process::Command::new(bin).args(&argv).stderr(log).spawn().unwrap();
+    let first = out.join("checkpoint-0000001").join(checkpoint::STATE_FILE);
+    let t0 = std::time::Instant::now();
+    while !first.exists() && t0.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let at = checkpoint::read_state(&checkpoint::find(&out).unwrap()).unwrap().step;
+    eprintln!("killed after the checkpoint of step {at}");
+    assert!(at >= 1);
+
+    // `--resume OUT` continues from the newest checkpoint with the saved config.
+    let log = std::fs::File::create(dir.join("log-resume.txt")).unwrap();
+    let status = std::process::Command::new(bin).args(["--resume", out.to_str().unwrap()]).stderr(log).status();
+    assert!(status.unwrap().success(), "see {}", dir.join("log-resume.txt").display());
+    assert_eq!(logged_losses(&out), reference);
+}
+
+#[test]
+fn the_binary_explains_an_unsupported_mode() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_askgui-train"))
+        .args(["--model", "m", "--data", "d.jsonl", "--mode", "full"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--mode full is not supported yet"), "{err}");
+}
+
+#[test]
+fn accumulated_micro_batches_equal_one_batch() {
+    let dir = scratch("accum");
+    let data = episodes(&dir, 1);
+    let common = "--lr 5e-3 --warmup-steps 0 --max-steps 2 --lora-dropout 0 --save-checkpoints false --lora-rank 4";
+    let run = |name: &str, shape: &str| -> Vec<f64> {
+        let cfg = config(&data, &dir.join(name), &format!("{common} {shape}"));
+        askgui_train::train(&cfg, &none()).unwrap().steps.iter().map(|s| s.loss).collect()
+    };
+    let one = run("one", "--batch-size 2 --grad-accum 1");
+    let two = run("two", "--batch-size 1 --grad-accum 2");
+    eprintln!("one batch {one:?}\ntwo micro-batches {two:?}");
+    // Same sequences, same token-weighted mean: equal up to f32 summation order (the batch of two is
+    // padded to the longer sequence, the micro-batches are not), which moves the loss by ~1e-7 relative.
+    for (a, b) in one.iter().zip(&two) {
+        assert!((a - b).abs() < 1e-5 * a.abs(), "{a} vs {b}");
+    }
+}
+
+#[test]
+fn only_the_target_is_supervised_and_images_get_their_pads() {
+    let dir = scratch("mask");
+    let data = episodes(&dir, 1);
+    let (tok, images) = tokenizer_and_images();
+    let d = data::load_dataset(&data, &data_options(), &tok, &images).unwrap();
+    for s in &d.samples {
+        let target: Vec<u32> = s.ids.iter().zip(&s.labels_mask).filter(|(_, &m)| m).map(|(&t, _)| t).collect();
+        let text = tok.decode(&target, false).unwrap();
+        let json = text.strip_suffix("<|im_end|>").unwrap_or_else(|| panic!("{text:?}"));
+        let action: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{json:?}: {e}"));
+        assert!(action["action"].is_string(), "{json}");
+        // The supervised tokens are one run after `<|im_start|>assistant\n`, followed only by the newline
+        // that closes the turn.
+        let first = s.labels_mask.iter().position(|&m| m).unwrap();
+        let n = s.ids.len();
+        assert!(s.labels_mask[first..n - 1].iter().all(|&m| m) && !s.labels_mask[n - 1], "one run");
+        assert_eq!(tok.decode(&s.ids[n - 1..], false).unwrap(), "\n");
+        assert!(tok.decode(&s.ids[..first], false).unwrap().ends_with("<|im_start|>assistant\n"));
+        // Each image's pads: its merged-patch count.
+        let pads = s.ids.iter().filter(|&&t| t == tok.image_pad_id).count();
+        assert_eq!(pads, s.grids.iter().map(|g| g.iter().product::<usize>() / 4).sum::<usize>());
+        assert_eq!(s.images.len(), 1);
+    }
+}
