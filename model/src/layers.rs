@@ -63,6 +63,37 @@ pub fn activation(x: &Tensor, act: VisionAct) -> Result<Tensor> {
     }
 }
 
+/// Whether the kernels' CPU CustomOps take this tensor (CPU, f32 / f64); elsewhere the inference
+/// forward uses the plain-candle references.
+fn has_kernel(x: &Tensor) -> bool {
+    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)
+}
+
+/// RMSNorm for the inference forward: the kernels' op where it has a kernel, else the reference (equal
+/// to 1e-6, `kernels/tests`): one pass over each row instead of five candle ops.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    match has_kernel(x) {
+        true => ops::rms_norm_frozen(x, w, eps),
+        false => askgui_kernels::rms_norm_reference(x, w, eps),
+    }
+}
+
+/// LayerNorm for the inference forward, like [`rms_norm`].
+pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    match has_kernel(x) {
+        true => ops::layer_norm_frozen(x, w, b, eps),
+        false => askgui_kernels::layer_norm_reference(x, w, b, eps),
+    }
+}
+
+/// Rotary embedding for the inference forward, like [`rms_norm`].
+pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    match has_kernel(x) {
+        true => ops::rope(x, cos, sin),
+        false => askgui_kernels::rope_reference(x, cos, sin),
+    }
+}
+
 /// Attention for the inference forward: the kernels' blocked-GEMM CustomOp (no `T x T` score matrix)
 /// where it has a kernel (CPU, f32 / f64), else the plain-candle reference. The two agree to 1e-6
 /// (`kernels/tests/grad_attention.rs`) except on query rows that see no key at all (left-padding
@@ -76,7 +107,7 @@ pub(crate) fn attention(
     key_padding: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
-    let has_kernel = q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64);
+    let has_kernel = has_kernel(q);
     let block_diagonal = matches!(mask, AttentionMask::BlockDiagonal(_));
     if has_kernel && !(block_diagonal && key_padding.is_some()) {
         ops::attention(q, k, v, mask, key_padding, scale)

@@ -113,7 +113,7 @@ impl Qwen2Vl {
             dir = %files.dir.display(),
             ?dtype,
             device = ?device,
-            kernels = "attention: CustomOp (CPU f32/f64), other ops: reference",
+            kernels = "attention, norms, rope: CustomOps (CPU f32/f64), elsewhere references",
             "loaded model"
         );
         Ok(Self {

@@ -5,7 +5,7 @@
 //! o_proj does not (Qwen2). The cache holds keys and values after rotation, so decoding a token costs one
 //! row of attention per layer.
 
-use askgui_kernels::{mrope_cos_sin_reference, ops, rms_norm_reference, rope_reference, AttentionMask};
+use askgui_kernels::{mrope_cos_sin_reference, ops, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::Weights;
@@ -275,7 +275,7 @@ impl TextDecoder {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim());
         let rot = |x: &Tensor| match train {
-            None => rope_reference(x, cos, sin),
+            None => crate::layers::rope(x, cos, sin),
             Some(_) => ops::rope(x, cos, sin),
         };
         let a = self.rms(x, &layer.input_norm, train)?;
@@ -308,7 +308,7 @@ impl TextDecoder {
 
     fn rms(&self, x: &Tensor, w: &Tensor, train: Option<&TrainCtx>) -> candle_core::Result<Tensor> {
         match train {
-            None => rms_norm_reference(x, w, self.cfg.rms_norm_eps),
+            None => crate::layers::rms_norm(x, w, self.cfg.rms_norm_eps),
             Some(_) => ops::rms_norm_frozen(x, w, self.cfg.rms_norm_eps),
         }
     }

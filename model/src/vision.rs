@@ -8,7 +8,7 @@
 //! For windows, rows are first permuted window by window (so that each window is a contiguous segment
 //! of a block-diagonal attention) and permuted back after the merger (Qwen2.5-VL report, section 2.1.1).
 
-use askgui_kernels::{layer_norm_reference, ops, rms_norm_reference, rope_reference, AttentionMask};
+use askgui_kernels::{ops, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::Weights;
@@ -33,8 +33,8 @@ impl Norm {
     }
     fn forward(&self, x: &Tensor, train: Option<&TrainCtx>) -> candle_core::Result<Tensor> {
         match (self, train) {
-            (Norm::Rms(w), None) => rms_norm_reference(x, w, 1e-6),
-            (Norm::Layer(w, b), None) => layer_norm_reference(x, w, b, 1e-6),
+            (Norm::Rms(w), None) => crate::layers::rms_norm(x, w, 1e-6),
+            (Norm::Layer(w, b), None) => crate::layers::layer_norm(x, w, b, 1e-6),
             (Norm::Rms(w), Some(_)) => ops::rms_norm_frozen(x, w, 1e-6),
             (Norm::Layer(w, b), Some(_)) => ops::layer_norm_frozen(x, w, b, 1e-6),
         }
@@ -356,7 +356,7 @@ impl VisionTower {
                 let f = DType::F32;
                 let (t, c, s) = (t.to_dtype(f)?, cos.to_dtype(f)?, sin.to_dtype(f)?);
                 match train {
-                    None => rope_reference(&t, &c, &s)?,
+                    None => crate::layers::rope(&t, &c, &s)?,
                     Some(_) => ops::rope(&t, &c, &s)?,
                 }
                 .to_dtype(x.dtype())?
