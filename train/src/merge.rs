@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use askgui_model::Qwen2Vl;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 
 use crate::error::{io, Result, TrainError};
 
@@ -185,6 +185,8 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    let args = MergeArgs::try_parse_from(argv).map_err(|e| TrainError::Cli(Box::new(e)))?;
-    merge(&args)
+    let cli = |e| TrainError::Cli(Box::new(e));
+    // The usage line names the subcommand as it is typed, not argv[0] (`merge`).
+    let matches = MergeArgs::command().bin_name("askgui-train merge").try_get_matches_from(argv).map_err(cli)?;
+    merge(&MergeArgs::from_arg_matches(&matches).map_err(cli)?)
 }
