@@ -194,6 +194,13 @@ pub struct RunArgs {
     /// Validation samples used per eval (0: all).
     #[arg(long, default_value_t = 0)]
     pub eval_samples: usize,
+    /// Validation episodes run as an agent by askgui-eval at each eval (SSR, SR, ASK precision / recall /
+    /// F1 in metrics.jsonl; 0: off).
+    #[arg(long, default_value_t = 32)]
+    pub eval_episodes: usize,
+    /// The longest answer, in tokens, of the agent eval and of the sample prediction.
+    #[arg(long, default_value_t = 128)]
+    pub eval_max_new_tokens: usize,
     /// Draw the progress bar (it is hidden anyway when stderr is not a terminal).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub progress: bool,
@@ -405,6 +412,9 @@ impl TrainConfig {
         let d = &self.data;
         if d.min_pixels > 0 && d.max_pixels > 0 && d.min_pixels > d.max_pixels {
             return bad(format!("--min-pixels {} is larger than --max-pixels {}", d.min_pixels, d.max_pixels));
+        }
+        if self.run.eval_max_new_tokens == 0 {
+            return bad("--eval-max-new-tokens must be at least 1".into());
         }
         if d.max_seq_len < 16 {
             return bad(format!("--max-seq-len is {}; it must be at least 16", d.max_seq_len));

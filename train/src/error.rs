@@ -19,6 +19,8 @@ pub enum TrainError {
     Image { path: PathBuf, line: usize, episode: String, step: usize, image: PathBuf, reason: String },
     #[error("data: {0}")]
     Data(String),
+    #[error("merge: {0}")]
+    Merge(String),
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
     #[error(

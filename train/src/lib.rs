@@ -2,15 +2,19 @@
 //!
 //! [`config`] (clap + serde options, TOML files, presets), [`data`] (episodes -> token ids with a loss
 //! mask, the data order), [`optim`] (AdamW, the warmup + cosine schedule, clipping), [`checkpoint`]
-//! (atomic PEFT-format checkpoints with the optimiser and trainer state), [`plot`] (curves.svg) and
+//! (atomic PEFT-format checkpoints with the optimiser and trainer state), [`merge`] (an adapter folded
+//! into a plain Hugging Face checkpoint), [`plot`] (curves.svg),
+//! [`agent_eval`] (the agent metrics and sample prediction of the periodic eval, through askgui-eval) and
 //! [`trainer`] (the loop). The model's training path (LoRA `Var`s, loss and gradients) is askgui-model's;
 //! prompts are askgui-data's, the same code that serve and eval use, so a model is trained on exactly the
 //! prompts it will be asked.
 
+pub mod agent_eval;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod merge;
 pub mod optim;
 pub mod plot;
 pub mod trainer;

@@ -3,6 +3,9 @@
 //!
 //! A tiny CPU run on the test fixture:
 //! `askgui-train --model model/tests/fixtures/tiny-qwen2_5_vl --data DIR/train.jsonl --max-pixels 12544 --lr 1e-2`
+//!
+//! `askgui-train merge --model DIR --adapter CHECKPOINT --out DIR` folds an adapter into its base
+//! ([`askgui_train::merge`]).
 
 use anyhow::Result;
 
@@ -14,7 +17,14 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let (cfg, control) = match askgui_train::config::from_args(std::env::args_os()) {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.get(1).is_some_and(|a| a == "merge") {
+        match askgui_train::merge::run_cli(argv.into_iter().skip(1)) {
+            Err(askgui_train::TrainError::Cli(e)) => e.exit(),
+            r => return r.map(|_| ()).map_err(Into::into),
+        }
+    }
+    let (cfg, control) = match askgui_train::config::from_args(argv) {
         Ok(c) => c,
         Err(askgui_train::TrainError::Cli(e)) => e.exit(),
         Err(e) => return Err(e.into()),

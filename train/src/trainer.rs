@@ -1,7 +1,8 @@
 //! The training loop, in one function you can read top to bottom: per step, the samples of the next data
 //! position, micro-batches (forward + backward, gradients accumulated), clipping, the AdamW step, one log
-//! line (tracing, metrics.jsonl, the progress bar), then the periodic eval loss and checkpoint (with a
-//! redrawn curves.svg).
+//! line (tracing, metrics.jsonl, the progress bar), then the periodic eval (the validation loss, the
+//! model run as an agent on validation episodes by askgui-eval, one sample prediction: [`crate::agent_eval`])
+//! and checkpoint (with a redrawn curves.svg).
 //!
 //! Accumulation weights each micro-batch's mean loss and gradients by its share of the step's supervised
 //! tokens, so a step's loss and gradient are those of one batch holding all its sequences (the mean over
@@ -22,6 +23,7 @@ use askgui_model::{ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
+use crate::agent_eval::{self, AgentMetrics, SamplePrediction};
 use crate::checkpoint::{self, TrainerState};
 use crate::config::{RunControl, TrainConfig};
 use crate::data::{self, DataOptions, DataPosition, DataStats, Dataset};
@@ -32,6 +34,7 @@ use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
 const ADAPTER: &str = "train";
 pub const METRICS_FILE: &str = "metrics.jsonl";
 pub const CURVES_FILE: &str = "curves.svg";
+pub const SAMPLES_FILE: &str = "samples.jsonl";
 
 /// One optimiser step, as logged.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -55,6 +58,10 @@ pub struct TrainSummary {
     pub steps: Vec<StepLog>,
     /// `(step, val loss)` of each eval.
     pub val_losses: Vec<(usize, f64)>,
+    /// `(step, agent metrics)` of each eval with `--eval-episodes` > 0.
+    pub agent_metrics: Vec<(usize, AgentMetrics)>,
+    /// `(step, sample prediction)` of each eval.
+    pub samples: Vec<(usize, SamplePrediction)>,
     pub train_data: DataStats,
     pub val_data: Option<DataStats>,
     pub total_steps: usize,
@@ -68,14 +75,14 @@ fn dropout_seed(seed: u64, step: usize, micro: usize) -> u64 {
     seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (((step as u64) << 20) | micro as u64)
 }
 
-/// Appends JSON lines to metrics.jsonl.
+/// Appends JSON lines to metrics.jsonl or samples.jsonl.
 struct Metrics(std::fs::File, PathBuf);
 
 impl Metrics {
-    /// Opens `dir/metrics.jsonl`, keeping only the lines of steps up to `keep_through` (a resumed run
-    /// drops what an interrupted run logged after its checkpoint).
-    fn open(dir: &Path, keep_through: usize) -> Result<Self> {
-        let path = dir.join(METRICS_FILE);
+    /// Opens `dir/name`, keeping only the lines of steps up to `keep_through` (a resumed run drops what an
+    /// interrupted run logged after its checkpoint).
+    fn open(dir: &Path, name: &str, keep_through: usize) -> Result<Self> {
+        let path = dir.join(name);
         let old = std::fs::read_to_string(&path).unwrap_or_default();
         let kept: String = old
             .lines()
@@ -209,6 +216,13 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     if let Some(v) = &val_set {
         tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());
     }
+    let val_episodes = match cfg.data.val.as_deref() {
+        Some(p) if cfg.run.eval_episodes > 0 => {
+            agent_eval::load_val_episodes(p, cfg.run.eval_episodes, cfg.data.skip_bad_records)?
+        }
+        _ => Vec::new(),
+    };
+    let eval_mode = agent_eval::mode_for(cfg.data.task_mode);
 
     // Adapter and optimiser, fresh or from the checkpoint.
     let ckpt = control.resume.as_deref().map(checkpoint::find).transpose()?;
@@ -253,7 +267,8 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
         }
     }
     std::fs::create_dir_all(out).map_err(io(out))?;
-    let mut metrics = Metrics::open(out, state.step)?;
+    let mut metrics = Metrics::open(out, METRICS_FILE, state.step)?;
+    let mut samples_log = Metrics::open(out, SAMPLES_FILE, state.step)?;
     let bar = if cfg.run.progress {
         indicatif::ProgressBar::new(total_steps as u64)
     } else {
@@ -282,6 +297,8 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     let mut summary = TrainSummary {
         steps: vec![],
         val_losses: vec![],
+        agent_metrics: vec![],
+        samples: vec![],
         train_data: train_set.stats.clone(),
         val_data: val_set.as_ref().map(|v| v.stats.clone()),
         total_steps,
@@ -412,9 +429,63 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
             let every = cfg.run.eval_every;
             if last || (every > 0 && state.step % every == 0) {
                 let v = eval_loss(&model, val, cfg, &device)?;
-                metrics.write(&serde_json::json!({"step": state.step, "val_loss": v}))?;
-                bar.suspend(|| tracing::info!(step = state.step, val_loss = v, "eval"));
+                let mut line = serde_json::json!({"step": state.step, "val_loss": v});
+                let mut agent = None;
+                if !val_episodes.is_empty() {
+                    let (m, r) = agent_eval::run_agent_eval(
+                        model,
+                        &val_episodes,
+                        eval_mode,
+                        &opts.prompt,
+                        cfg.run.eval_max_new_tokens,
+                    )?;
+                    model = m;
+                    let a = r?;
+                    if let (Some(l), serde_json::Value::Object(extra)) =
+                        (line.as_object_mut(), serde_json::to_value(&a).expect("serialises"))
+                    {
+                        l.extend(extra);
+                    }
+                    agent = Some(a);
+                }
+                metrics.write(&line)?;
+                bar.suspend(|| {
+                    let a = agent.as_ref();
+                    tracing::info!(
+                        step = state.step,
+                        val_loss = v,
+                        ssr = a.and_then(|a| a.ssr),
+                        sr = a.and_then(|a| a.sr),
+                        ask_precision = a.and_then(|a| a.ask_precision),
+                        ask_recall = a.and_then(|a| a.ask_recall),
+                        ask_f1 = a.and_then(|a| a.ask_f1),
+                        eval_episodes = a.map(|a| a.eval_episodes),
+                        "eval"
+                    )
+                });
                 summary.val_losses.push((state.step, v));
+                summary.agent_metrics.extend(agent.map(|a| (state.step, a)));
+                if let Some(sample) = val.samples.first() {
+                    let p = agent_eval::sample_prediction(&model, &tokenizer, sample, cfg.run.eval_max_new_tokens)?;
+                    let mut line = serde_json::json!({"step": state.step});
+                    if let (Some(l), serde_json::Value::Object(extra)) =
+                        (line.as_object_mut(), serde_json::to_value(&p).expect("serialises"))
+                    {
+                        l.extend(extra);
+                    }
+                    samples_log.write(&line)?;
+                    bar.suspend(|| {
+                        tracing::info!(
+                            step = state.step,
+                            episode = %p.episode,
+                            episode_step = p.episode_step,
+                            predicted = %p.predicted,
+                            target = %p.target,
+                            "sample"
+                        )
+                    });
+                    summary.samples.push((state.step, p));
+                }
             }
         }
         let every = cfg.run.save_every;

@@ -73,6 +73,11 @@ impl InProcessAgent {
         Ok(Self { inner: Mutex::new(Loaded { model, tokenizer }), name, prompt, max_new_tokens, stop_tokens })
     }
 
+    /// Gives the model back, with its adapters as they are (a trainer lends its model for a periodic eval).
+    pub fn into_model(self) -> Qwen2Vl {
+        self.inner.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner()).model
+    }
+
     /// The model frame for this step. For `resized`, the size the processor gave the current screenshot.
     fn frame(&self, input: &StepInput, model: &Qwen2Vl, current: &ProcessedImage) -> Result<FrameMap, AgentError> {
         let ic = &model.image_config;

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Check a checkpoint written by `askgui-train merge` with Hugging Face transformers and PEFT.
+
+Loads the merged folder as a plain `Qwen2_5_VLForConditionalGeneration` / `Qwen2VLForConditionalGeneration`
+(no PEFT), loads the base with the adapter through PEFT (unmerged), runs both on the same prompt with an
+image, and prints the largest logit difference relative to the largest logit magnitude. It fails when that
+exceeds `--rtol` (default 1e-4: both run in f32; merging only changes the summation order).
+
+The prompt is a `case.safetensors` (input_ids, pixel_values, image_grid_thw), by default the tiny test
+fixture's case. Not run by the tests (it needs torch, transformers 5 and peft):
+
+    cargo run -p askgui-train -- merge --model model/tests/fixtures/tiny-qwen2_5_vl \\
+        --adapter model/tests/fixtures/lora/tiny-qwen2_5_vl-peft --out /tmp/merged
+    python scripts/check_merged.py --merged /tmp/merged --base model/tests/fixtures/tiny-qwen2_5_vl \\
+        --adapter model/tests/fixtures/lora/tiny-qwen2_5_vl-peft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CASE = REPO_ROOT / "model/tests/fixtures/tiny-qwen2_5_vl/case.safetensors"
+
+
+def model_class(ckpt: Path):
+    model_type = json.loads((ckpt / "config.json").read_text())["model_type"]
+    return {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration}[model_type]
+
+
+def load(ckpt: Path):
+    cls = model_class(ckpt)
+    return cls.from_pretrained(str(ckpt), attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--merged", type=Path, required=True)
+    ap.add_argument("--base", type=Path, required=True)
+    ap.add_argument("--adapter", type=Path, required=True)
+    ap.add_argument("--case", type=Path, default=CASE)
+    ap.add_argument("--rtol", type=float, default=1e-4)
+    args = ap.parse_args()
+
+    case = load_file(str(args.case))
+    image_token_id = json.loads((args.base / "config.json").read_text())["image_token_id"]
+    inputs = dict(
+        input_ids=case["input_ids"],
+        pixel_values=case["pixel_values"],
+        image_grid_thw=case["image_grid_thw"],
+        mm_token_type_ids=(case["input_ids"] == image_token_id).to(torch.int64),
+    )
+    with torch.no_grad():
+        base = load(args.base)
+        plain = base(**inputs).logits[0].float()
+        peft = PeftModel.from_pretrained(base, str(args.adapter)).eval()
+        want = peft(**inputs).logits[0].float()
+        got = load(args.merged)(**inputs).logits[0].float()
+    scale = float(want.abs().max())
+    diff = float((got - want).abs().max())
+    effect = float((want - plain).abs().max())
+    print(f"merged (transformers, no PEFT) vs base + adapter (PEFT): max abs diff {diff:.3e}, "
+          f"{diff / scale:.3e} of the logit scale {scale:.4f}; the adapter moves logits by {effect:.3e}")
+    if effect <= 1e-3 * scale:
+        print("the adapter barely changes the logits: this comparison says little", file=sys.stderr)
+        return 1
+    if diff > args.rtol * scale:
+        print(f"FAIL: above {args.rtol} of the scale", file=sys.stderr)
+        return 1
+    print("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
