@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod init;
 pub mod optim;
 pub mod plot;
 pub mod trainer;
