@@ -10,6 +10,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod demo;
 pub mod error;
 pub mod init;
 pub mod optim;

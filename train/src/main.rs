@@ -3,8 +3,18 @@
 //!
 //! A tiny CPU run on the test fixture:
 //! `askgui-train --model model/tests/fixtures/tiny-qwen2_5_vl --data DIR/train.jsonl --max-pixels 12544 --lr 1e-2`
+//! `askgui-train demo [--out DIR]` runs the from-scratch demo ([`askgui_train::demo`]).
 
 use anyhow::Result;
+use clap::Parser;
+
+/// `askgui-train demo`: its own command line.
+#[derive(Parser)]
+#[command(name = "askgui-train demo", about = "Synthetic world -> base agent from scratch -> LoRA+ASK -> eval")]
+struct DemoCli {
+    #[command(flatten)]
+    args: askgui_train::demo::DemoArgs,
+}
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
@@ -14,6 +24,12 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    if std::env::args_os().nth(1).is_some_and(|a| a == "demo") {
+        let cli = DemoCli::parse_from(std::env::args_os().skip(1));
+        let report = askgui_train::demo::run(&cli.args)?;
+        print!("{}", askgui_train::demo::markdown(&report));
+        return Ok(());
+    }
     let (cfg, control) = match askgui_train::config::from_args(std::env::args_os()) {
         Ok(c) => c,
         Err(askgui_train::TrainError::Cli(e)) => e.exit(),
