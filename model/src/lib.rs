@@ -15,6 +15,7 @@ pub mod error;
 pub mod generate;
 pub mod grad_checkpoint;
 pub mod image;
+pub mod init;
 pub mod layers;
 pub mod lora;
 pub mod model;

@@ -130,6 +130,17 @@ impl TextDecoder {
         out
     }
 
+    /// [`Self::base_tensors`], mutable (same order), for full training.
+    pub(crate) fn base_tensors_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        let mut out = vec![("model.embed_tokens.weight".to_string(), &mut self.embed_tokens)];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            out.push((format!("model.layers.{i}.input_layernorm.weight"), &mut l.input_norm));
+            out.push((format!("model.layers.{i}.post_attention_layernorm.weight"), &mut l.post_norm));
+        }
+        out.push(("model.norm.weight".to_string(), &mut self.norm));
+        out
+    }
+
     pub fn new_cache(&self) -> KvCache {
         KvCache { layers: vec![None; self.layers.len()] }
     }
@@ -309,6 +320,7 @@ impl TextDecoder {
     fn rms(&self, x: &Tensor, w: &Tensor, train: Option<&TrainCtx>) -> candle_core::Result<Tensor> {
         match train {
             None => crate::layers::rms_norm(x, w, self.cfg.rms_norm_eps),
+            Some(ctx) if ctx.full() => ops::rms_norm(x, w, self.cfg.rms_norm_eps),
             Some(_) => ops::rms_norm_frozen(x, w, self.cfg.rms_norm_eps),
         }
     }

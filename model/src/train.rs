@@ -34,6 +34,8 @@ use crate::model::{mrope_positions, Qwen2Vl};
 pub struct TrainCtx {
     dropout: f64,
     seed: u64,
+    /// Full training: the base weights are `Var`s and get gradients ([`Qwen2Vl::make_base_trainable`]).
+    full: bool,
 }
 
 impl TrainCtx {
@@ -41,7 +43,12 @@ impl TrainCtx {
         if !(0.0..1.0).contains(&dropout) {
             return Err(ModelError::Train(format!("lora_dropout is {dropout}; it must be in [0, 1)")));
         }
-        Ok(Self { dropout, seed })
+        Ok(Self { dropout, seed, full: false })
+    }
+
+    /// Whether the base weights are trained (norms then use the ops' `Params::Trained` variants).
+    pub(crate) fn full(&self) -> bool {
+        self.full
     }
 
     /// Inverted dropout on the input of linear `name`: each element kept with probability `1 - p` and
@@ -139,14 +146,17 @@ impl CustomOp1 for FrozenBias {
 impl Linear {
     /// Training twin of [`Linear::forward`]: `x W^T + b` with `W`, `b` frozen, plus the active adapter's
     /// `scale * (dropout(x) A^T) B^T`, differentiable through `A` and `B`.
+    /// In full training `W` and `b` are `Var`s: candle's own matmul and broadcast add, whose backward
+    /// gives their gradients.
     pub(crate) fn forward_train(&self, x: &Tensor, ctx: &TrainCtx) -> candle_core::Result<Tensor> {
         // (..., in) -> (..., out)
-        let y = ops::frozen_linear(x, &self.weight)?;
-        let y = match &self.bias {
-            Some(b) => {
-                y.contiguous()?.apply_op1(FrozenBias(b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?))?
-            }
-            None => y,
+        let y = match (ctx.full, &self.bias) {
+            (true, Some(b)) => x.broadcast_matmul(&self.weight.t()?)?.broadcast_add(b)?,
+            (true, None) => x.broadcast_matmul(&self.weight.t()?)?,
+            (false, Some(b)) => ops::frozen_linear(x, &self.weight)?
+                .contiguous()?
+                .apply_op1(FrozenBias(b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?))?,
+            (false, None) => ops::frozen_linear(x, &self.weight)?,
         };
         match self.lora.active_delta() {
             Some(d) => y + d.forward(&ctx.dropout(&self.name, x)?)?,
@@ -253,20 +263,75 @@ impl Qwen2Vl {
         out
     }
 
+    /// Whether [`Self::make_base_trainable`] was called: the base weights are `Var`s.
+    pub fn base_is_trainable(&self) -> bool {
+        self.text.embed_tokens.is_variable()
+    }
+
+    /// Full training: turns every base tensor (linears, biases, norms, embeddings, patch embedding,
+    /// lm_head) into a `Var`, so that [`Self::loss_and_grads`] also returns their gradients (the training
+    /// path then uses candle's matmul, whose backward covers the weight, and the norm ops'
+    /// `Params::Trained` variants). A tied lm_head stays the embedding matrix itself.
+    pub fn make_base_trainable(&mut self) -> Result<()> {
+        if self.base_is_trainable() {
+            return Ok(());
+        }
+        if let Some(m) = self.merged_adapter() {
+            return Err(ModelError::Train(format!("adapter `{m}` is merged; unmerge it before full training")));
+        }
+        let var = |t: &mut Tensor| -> Result<()> {
+            *t = Var::from_tensor(t)?.as_tensor().clone();
+            Ok(())
+        };
+        for (_, t) in self.vision.base_tensors_mut() {
+            var(t)?;
+        }
+        for (_, t) in self.text.base_tensors_mut() {
+            var(t)?;
+        }
+        for l in self.linears_mut() {
+            var(&mut l.weight)?;
+            if let Some(b) = &mut l.bias {
+                var(b)?;
+            }
+        }
+        if self.cfg.tie_word_embeddings {
+            self.lm_head = self.text.embed_tokens.clone();
+        } else {
+            var(&mut self.lm_head)?;
+        }
+        Ok(())
+    }
+
+    /// The base `Var`s by checkpoint name (each tensor once), after [`Self::make_base_trainable`].
+    pub fn base_vars(&self) -> Result<Vec<(String, Var)>> {
+        if !self.base_is_trainable() {
+            return Err(ModelError::Train("the base weights are frozen; call make_base_trainable first".into()));
+        }
+        self.base_tensors().into_iter().map(|(n, t)| Ok((n, Var::from_tensor(&t)?))).collect()
+    }
+
     /// One training step's forward and backward over `batch` with the active adapter: the masked
     /// next-token cross-entropy (the mean over every supervised token of the batch, as transformers'
     /// `labels` with -100 elsewhere) and the gradients of the adapter's `Var`s, and of nothing else.
     /// With `opts.checkpointing` every vision block and decoder layer is recomputed in the backward
     /// ([`crate::grad_checkpoint`]); the result is the same.
     pub fn loss_and_grads(&self, batch: &[TrainExample], opts: &StepOptions) -> Result<StepOutput> {
-        let params = match self.active_adapter() {
+        let mut params: Vec<Var> = match self.active_adapter() {
             Some(name) => self.trainable_vars(name)?.into_iter().map(|(_, v)| v).collect(),
             None => vec![],
         };
+        if self.base_is_trainable() {
+            params.extend(self.base_vars()?.into_iter().map(|(_, v)| v));
+        }
         let ctx = self.train_ctx(opts.dropout_seed)?;
         let chain = self.train_chain(batch, &ctx)?;
         let (loss, grads) = grad_checkpoint::forward_backward(&chain.x0, &chain.stages, &params, opts.checkpointing)?;
-        Ok(StepOutput { loss: loss.to_scalar::<f32>()? as f64, supervised_tokens: chain.supervised, grads })
+        Ok(StepOutput {
+            loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            supervised_tokens: chain.supervised,
+            grads,
+        })
     }
 
     /// The loss of [`Self::loss_and_grads`] as one candle graph (no checkpointing), for a caller that
@@ -284,7 +349,7 @@ impl Qwen2Vl {
         let ctx = TrainCtx::new(0.0, 0)?;
         let chain = self.train_chain(batch, &ctx)?;
         let loss = grad_checkpoint::forward(&chain.x0, &chain.stages)?;
-        Ok((loss.to_scalar::<f32>()? as f64, chain.supervised))
+        Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, chain.supervised))
     }
 
     fn train_ctx(&self, seed: u64) -> Result<TrainCtx> {
@@ -292,7 +357,7 @@ impl Qwen2Vl {
             return Err(ModelError::Train(format!("adapter `{m}` is merged; unmerge it before training")));
         }
         let p = self.active_adapter().and_then(|a| self.adapter(a)).map(|a| a.config.lora_dropout).unwrap_or(0.0);
-        TrainCtx::new(p, seed)
+        Ok(TrainCtx { full: self.base_is_trainable(), ..TrainCtx::new(p, seed)? })
     }
 
     /// The training forward of `batch` as a chain of stages: the vision blocks, the merger with the
@@ -354,15 +419,27 @@ impl Qwen2Vl {
         let ids = Tensor::from_vec(ids, (b, t), dev)?;
         let labels = Tensor::from_vec(labels, b * (t - 1), dev)?;
         let mask = Tensor::from_vec(mask, b * (t - 1), dev)?;
-        let trainable = |ls: Vec<&Linear>| ls.iter().any(|l| l.lora.active_delta().is_some_and(|d| d.a.is_variable()));
+        let full = ctx.full;
+        let trainable =
+            |ls: Vec<&Linear>| full || ls.iter().any(|l| l.lora.active_delta().is_some_and(|d| d.a.is_variable()));
 
         let mut stages = Vec::new();
         let x0 = if pixels.is_empty() {
-            self.embed(&ids, None)?
+            if full {
+                // The embedding is trained: a first stage that ignores its (constant) input recomputes it.
+                let ids = ids.clone();
+                stages.push(Stage::new(true, move |_: &Tensor| self.embed(&ids, None)));
+            }
+            self.embed(&ids, None)?.detach()
         } else {
             let pv = Tensor::cat(&pixels, 0)?;
             let prep = std::rc::Rc::new(self.vision.prepare(&pv, &grids)?);
-            let x0 = prep.x.clone();
+            let x0 = prep.x.detach();
+            if full {
+                // The patch embedding is trained: recompute it in a first stage (`prepare` is outside the chain).
+                let prep = prep.clone();
+                stages.push(Stage::new(true, move |_: &Tensor| self.vision.embed_patches(&pv, &prep.layout)));
+            }
             for i in 0..self.vision.depth() {
                 let prep = prep.clone();
                 stages.push(Stage::new(trainable(self.vision.stage_linears(i)), move |x: &Tensor| {
@@ -383,10 +460,13 @@ impl Qwen2Vl {
                 self.text.layer(i, x, &rope, None, None, Some(ctx))
             }));
         }
-        stages.push(Stage::new(false, move |x: &Tensor| {
+        stages.push(Stage::new(full, move |x: &Tensor| {
             // (B, T, H) -> (B, T - 1, H) -> (B (T - 1), V): the logits at t - 1 predict token t.
-            let h = self.text.final_norm(x, Some(ctx))?.narrow(1, 0, t - 1)?;
-            let logits = ops::frozen_linear(&h.reshape((b * (t - 1), ()))?, &self.lm_head)?;
+            let h = self.text.final_norm(x, Some(ctx))?.narrow(1, 0, t - 1)?.reshape((b * (t - 1), ()))?;
+            let logits = match full {
+                true => h.matmul(&self.lm_head.t()?)?,
+                false => ops::frozen_linear(&h, &self.lm_head)?,
+            };
             Ok(ops::cross_entropy_masked(&logits, &labels, &mask)?)
         }));
         Ok(Chain { x0, stages, supervised })

@@ -35,8 +35,20 @@ impl Norm {
         match (self, train) {
             (Norm::Rms(w), None) => crate::layers::rms_norm(x, w, 1e-6),
             (Norm::Layer(w, b), None) => crate::layers::layer_norm(x, w, b, 1e-6),
+            (Norm::Rms(w), Some(c)) if c.full() => ops::rms_norm(x, w, 1e-6),
+            (Norm::Layer(w, b), Some(c)) if c.full() => ops::layer_norm(x, w, b, 1e-6),
             (Norm::Rms(w), Some(_)) => ops::rms_norm_frozen(x, w, 1e-6),
             (Norm::Layer(w, b), Some(_)) => ops::layer_norm_frozen(x, w, b, 1e-6),
+        }
+    }
+
+    fn tensors_mut<'a>(&'a mut self, name: &str, out: &mut Vec<(String, &'a mut Tensor)>) {
+        match self {
+            Norm::Rms(w) => out.push((format!("{name}.weight"), w)),
+            Norm::Layer(w, b) => {
+                out.push((format!("{name}.weight"), w));
+                out.push((format!("{name}.bias"), b));
+            }
         }
     }
 
@@ -86,11 +98,11 @@ pub(crate) struct VisionPrep {
     /// `(P, 1, head_dim)` rotary tables.
     cos: Tensor,
     sin: Tensor,
-    layout: Layout,
+    pub(crate) layout: Layout,
 }
 
 /// Patch coordinates and attention segments of a batch of images.
-struct Layout {
+pub(crate) struct Layout {
     /// `(P, 2)` (row, column) of each patch, in pixel_values order.
     hw: Vec<f32>,
     /// Boundaries of whole images (per temporal frame).
@@ -273,8 +285,7 @@ impl VisionTower {
         let dtype = self.patch_embed.dtype();
         let layout = self.layout(grid_thw);
         let windowed = self.cfg.window_size.is_some();
-        // (P, hidden)
-        let mut x = pixel_values.to_dtype(dtype)?.matmul(&self.patch_embed.t()?)?;
+        let x = self.embed_patches(pixel_values, &layout)?;
         // (P, 2) -> cos/sin (P, head_dim)
         let hw = Tensor::from_vec(layout.hw.clone(), (p, 2), &Device::Cpu)?;
         let (mut cos, mut sin) = askgui_kernels::vision_rope_cos_sin_reference(&hw, &self.inv_freq)?;
@@ -286,7 +297,6 @@ impl VisionTower {
         };
         if windowed {
             let idx = row_order(&layout.window_index)?;
-            x = x.index_select(&idx, 0)?;
             cos = cos.to_device(dev)?.index_select(&idx, 0)?;
             sin = sin.to_device(dev)?.index_select(&idx, 0)?;
         }
@@ -294,6 +304,19 @@ impl VisionTower {
         let cos = cos.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
         let sin = sin.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
         Ok(VisionPrep { x, cos, sin, layout })
+    }
+
+    /// The patch embedding `(P, patch_dim) -> (P, hidden)`, rows in window order for Qwen2.5-VL (as
+    /// [`Self::prepare`] leaves them). Differentiable in the patch embedding (full training).
+    pub(crate) fn embed_patches(&self, pixel_values: &Tensor, layout: &Layout) -> Result<Tensor> {
+        let x = pixel_values.to_dtype(self.patch_embed.dtype())?.matmul(&self.patch_embed.t()?)?;
+        if self.cfg.window_size.is_none() {
+            return Ok(x);
+        }
+        let unit = (self.cfg.spatial_merge_size * self.cfg.spatial_merge_size) as u32;
+        let idx: Vec<u32> = layout.window_index.iter().flat_map(|&g| (0..unit).map(move |j| g * unit + j)).collect();
+        let n = idx.len();
+        Ok(x.index_select(&Tensor::from_vec(idx, n, pixel_values.device())?, 0)?)
     }
 
     /// Block `i`: `x (P, hidden) -> (P, hidden)`, pre-norm attention then MLP, both residual.
@@ -384,6 +407,17 @@ impl VisionTower {
             b.norm2.tensors(&format!("visual.blocks.{i}.norm2"), &mut out);
         }
         self.ln_q.tensors("visual.merger.ln_q", &mut out);
+        out
+    }
+
+    /// [`Self::base_tensors`], mutable (same order), for full training.
+    pub(crate) fn base_tensors_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        let mut out = vec![("visual.patch_embed.proj.weight".to_string(), &mut self.patch_embed)];
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            b.norm1.tensors_mut(&format!("visual.blocks.{i}.norm1"), &mut out);
+            b.norm2.tensors_mut(&format!("visual.blocks.{i}.norm2"), &mut out);
+        }
+        self.ln_q.tensors_mut("visual.merger.ln_q", &mut out);
         out
     }
 

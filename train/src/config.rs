@@ -25,7 +25,7 @@ use crate::error::{Result, TrainError};
 pub enum Mode {
     /// A LoRA adapter on the targeted linears; the base weights stay frozen.
     Lora,
-    /// Every weight (not supported yet).
+    /// Every weight of the model (no adapter); checkpoints are model folders.
     Full,
 }
 
@@ -67,6 +67,11 @@ pub struct ModelArgs {
     /// What to train.
     #[arg(long, value_enum, default_value_t = Mode::Lora)]
     pub mode: Mode,
+    /// Train from scratch: a config.json (for the byte-level tokenizer's ids) whose random
+    /// initialisation is written to OUTPUT_DIR/init-model and trained (with --mode full), instead of --model.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub init_config: Option<PathBuf>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
@@ -359,14 +364,17 @@ impl TrainConfig {
     /// Checks ranges and combinations, with messages that name the option.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(TrainError::Config(m));
-        if self.model.model.is_none() {
-            return bad("no model: pass --model DIR|HUB_ID (or `model = ...` under [model] in --config)".into());
+        match (&self.model.model, &self.model.init_config) {
+            (None, None) => {
+                return bad("no model: pass --model DIR|HUB_ID or --init-config FILE (or `model = ...` under \
+                            [model] in --config)"
+                    .into())
+            }
+            (Some(_), Some(_)) => return bad("--model and --init-config exclude each other".into()),
+            _ => {}
         }
         if self.data.data.is_none() {
             return bad("no training data: pass --data FILE.jsonl (or `data = ...` under [data] in --config)".into());
-        }
-        if self.model.mode == Mode::Full {
-            return bad("--mode full is not supported yet; use --mode lora".into());
         }
         let (l, o) = (&self.lora, &self.optim);
         if l.lora_rank == 0 {
@@ -454,8 +462,10 @@ mod tests {
         assert!(c.run.grad_checkpointing && c.run.save_checkpoints);
         let e = parse(&["--data", "d.jsonl"]).unwrap_err().to_string();
         assert!(e.contains("--model"), "{e}");
-        let e = parse(&["--model", "m", "--data", "d", "--mode", "full"]).unwrap_err().to_string();
-        assert!(e.contains("not supported yet"), "{e}");
+        let c = parse(&["--init-config", "c.json", "--data", "d", "--mode", "full"]).unwrap();
+        assert_eq!((c.model.mode, c.model.init_config.as_deref()), (Mode::Full, Some(Path::new("c.json"))));
+        let e = parse(&["--model", "m", "--init-config", "c.json", "--data", "d"]).unwrap_err().to_string();
+        assert!(e.contains("exclude each other"), "{e}");
         let e = parse(&["--model", "m", "--data", "d", "--lora-dropout", "1.5"]).unwrap_err().to_string();
         assert!(e.contains("--lora-dropout"), "{e}");
     }

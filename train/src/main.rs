@@ -6,8 +6,18 @@
 //!
 //! `askgui-train merge --model DIR --adapter CHECKPOINT --out DIR` folds an adapter into its base
 //! ([`askgui_train::merge`]).
+//! `askgui-train demo [--out DIR]` runs the from-scratch demo ([`askgui_train::demo`]).
 
 use anyhow::Result;
+use clap::Parser;
+
+/// `askgui-train demo`: its own command line.
+#[derive(Parser)]
+#[command(name = "askgui-train demo", about = "Synthetic world -> base agent from scratch -> LoRA+ASK -> eval")]
+struct DemoCli {
+    #[command(flatten)]
+    args: askgui_train::demo::DemoArgs,
+}
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
@@ -23,6 +33,12 @@ fn main() -> Result<()> {
             Err(askgui_train::TrainError::Cli(e)) => e.exit(),
             r => return r.map(|_| ()).map_err(Into::into),
         }
+    }
+    if argv.get(1).is_some_and(|a| a == "demo") {
+        let cli = DemoCli::parse_from(argv.into_iter().skip(1));
+        let report = askgui_train::demo::run(&cli.args)?;
+        print!("{}", askgui_train::demo::markdown(&report));
+        return Ok(());
     }
     let (cfg, control) = match askgui_train::config::from_args(argv) {
         Ok(c) => c,

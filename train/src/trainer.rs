@@ -25,7 +25,7 @@ use serde::Serialize;
 
 use crate::agent_eval::{self, AgentMetrics, SamplePrediction};
 use crate::checkpoint::{self, TrainerState};
-use crate::config::{RunControl, TrainConfig};
+use crate::config::{Mode, RunControl, TrainConfig};
 use crate::data::{self, DataOptions, DataPosition, DataStats, Dataset};
 use crate::error::{io, Result, TrainError};
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
@@ -129,7 +129,12 @@ fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device)
 
 /// The model in f32 on the CPU, with the image processor's pixel bounds from `cfg` where it sets them.
 fn load_model(cfg: &TrainConfig, device: &Device) -> Result<Qwen2Vl> {
-    let mut model = Qwen2Vl::load(cfg.model.model.as_deref().expect("validated"), device, DType::F32)?;
+    let path = match (&cfg.model.model, &cfg.model.init_config) {
+        (Some(m), _) => m.clone(),
+        (None, Some(c)) => crate::init::init_model_dir(cfg, c)?,
+        (None, None) => unreachable!("validated"),
+    };
+    let mut model = Qwen2Vl::load(&path, device, DType::F32)?;
     let ic = &mut model.image_config;
     if cfg.data.min_pixels > 0 {
         ic.min_pixels = cfg.data.min_pixels;
@@ -165,6 +170,9 @@ fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
 /// Installs the trainable adapter, loaded from checkpoint `ckpt` or new, and the optimiser over it; returns
 /// where the run stands.
 fn adapter_and_optimiser(model: &mut Qwen2Vl, cfg: &TrainConfig, ckpt: Option<&Path>) -> Result<(AdamW, TrainerState)> {
+    if cfg.model.mode == Mode::Full {
+        return crate::init::full_optimiser(model, cfg, ckpt);
+    }
     let state = match ckpt {
         Some(dir) => {
             model.load_adapter(ADAPTER, dir)?;
@@ -283,7 +291,10 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
 
     let save = |model: &Qwen2Vl, opt: &AdamW, state: &TrainerState| -> Result<PathBuf> {
         let dir = checkpoint::write_atomically(out, &checkpoint::dir_name(state.step), |tmp| {
-            model.save_adapter_as(ADAPTER, tmp, cfg.run.adapter_keys.into())?;
+            match cfg.model.mode {
+                Mode::Full => crate::init::save_model(model, tmp)?,
+                Mode::Lora => model.save_adapter_as(ADAPTER, tmp, cfg.run.adapter_keys.into())?,
+            }
             opt.save(&tmp.join(checkpoint::OPTIMIZER_FILE))?;
             checkpoint::write_state(tmp, state)?;
             let path = tmp.join(checkpoint::CONFIG_FILE);

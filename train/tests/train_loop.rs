@@ -282,14 +282,14 @@ fn a_killed_binary_resumes_from_its_last_checkpoint() {
 }
 
 #[test]
-fn the_binary_explains_an_unsupported_mode() {
+fn the_binary_explains_conflicting_model_flags() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_askgui-train"))
-        .args(["--model", "m", "--data", "d.jsonl", "--mode", "full"])
+        .args(["--model", "m", "--init-config", "c.json", "--data", "d.jsonl", "--mode", "full"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--mode full is not supported yet"), "{err}");
+    assert!(err.contains("--model and --init-config exclude each other"), "{err}");
 }
 
 #[test]

@@ -1,0 +1,54 @@
+//! `askgui-train demo` at a toy scale (a few steps, a few episodes): every stage runs through the library
+//! functions and report.json holds every key under its stable name. It asserts nothing about the scores:
+//! a toy run reaches none of the demo's targets, and the report must say so (`all_met` false).
+
+use askgui_train::demo::{run, DemoArgs};
+
+#[test]
+fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
+    let out = std::env::temp_dir().join(format!("askgui-demo-toy-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let args = DemoArgs {
+        out: out.clone(),
+        episodes: 12,
+        split: "8:1:3".into(),
+        width: 160,
+        height: 160,
+        max_pixels: 12_544,
+        base_steps: 2,
+        base_lr: 1e-3,
+        lora_steps: 2,
+        lora_lr: 1e-3,
+        lora_rank: 4,
+        batch_size: 2,
+        eval_episodes: 2,
+        max_new_tokens: 6,
+        seed: 1,
+        no_progress: true,
+    };
+    let report = run(&args)?;
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json"))?)?;
+    for key in [
+        "base_original",
+        "base_incomplete",
+        "base_blank_screen",
+        "lora_original",
+        "lora_standard",
+        "lora_dual",
+        "lora_strict",
+    ] {
+        for field in ["ssr", "sr", "ask_precision", "ask_recall", "ask_fpr", "ask_f1", "steps", "episodes"] {
+            assert!(json[key].get(field).is_some(), "report.json lacks {key}.{field}");
+        }
+        assert_eq!(json[key]["episodes"], 2, "{key}");
+    }
+    let names: Vec<&str> = json["checks"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+    assert_eq!(names.len(), 7, "{names:?}");
+    for k in ["all_met", "timings_s", "total_s", "test_episodes", "train_final_loss", "lora_final_loss"] {
+        assert!(json.get(k).is_some(), "report.json lacks {k}");
+    }
+    assert!(!report.all_met, "a two-step toy run cannot meet the demo's targets");
+    assert!(std::fs::read_to_string(out.join("report.md"))?.contains("Dual-Stream"));
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
