@@ -108,14 +108,6 @@ impl PrefixCache {
         self.bytes += bytes;
         self.entries.push_back(Entry { adapter: adapter.map(String::from), key, cache, bytes });
     }
-
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
 }
 
 #[cfg(test)]

@@ -44,6 +44,13 @@ pub struct TrainerState {
     pub tokens: u64,
 }
 
+impl TrainerState {
+    /// A run that has not taken a step yet.
+    pub fn fresh(seed: u64) -> Self {
+        Self { step: 0, total_steps: 0, position: DataPosition::default(), seed, loss: f64::NAN, tokens: 0 }
+    }
+}
+
 /// The folder name of step `step`'s checkpoint.
 pub fn dir_name(step: usize) -> String {
     format!("{PREFIX}{step:07}")

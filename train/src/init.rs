@@ -12,7 +12,6 @@ use askgui_model::{init, ModelConfig, Qwen2Vl};
 
 use crate::checkpoint::TrainerState;
 use crate::config::TrainConfig;
-use crate::data::DataPosition;
 use crate::error::{io, Result, TrainError};
 use crate::optim::{AdamW, AdamWParams};
 
@@ -112,15 +111,7 @@ pub(crate) fn full_optimiser(
     model.make_base_trainable()?;
     let o = &cfg.optim;
     let params = AdamWParams { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: o.weight_decay };
-    let state = TrainerState {
-        step: 0,
-        total_steps: 0,
-        position: DataPosition::default(),
-        seed: cfg.run.seed,
-        loss: f64::NAN,
-        tokens: 0,
-    };
-    Ok((AdamW::new(model.base_vars()?, params)?, state))
+    Ok((AdamW::new(model.base_vars()?, params)?, TrainerState::fresh(cfg.run.seed)))
 }
 
 #[cfg(test)]

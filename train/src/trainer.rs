@@ -26,7 +26,7 @@ use serde::Serialize;
 use crate::agent_eval::{self, AgentMetrics, SamplePrediction};
 use crate::checkpoint::{self, TrainerState};
 use crate::config::{Mode, RunControl, TrainConfig};
-use crate::data::{self, DataOptions, DataPosition, DataStats, Dataset};
+use crate::data::{self, DataOptions, DataStats, Dataset};
 use crate::error::{io, Result, TrainError};
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
 
@@ -186,14 +186,7 @@ fn adapter_and_optimiser(model: &mut Qwen2Vl, cfg: &TrainConfig, ckpt: Option<&P
             lora.lora_dropout = l.lora_dropout;
             lora.base_model_name_or_path = cfg.model.model.clone();
             model.add_trainable_adapter(ADAPTER, lora, cfg.run.seed)?;
-            TrainerState {
-                step: 0,
-                total_steps: 0,
-                position: DataPosition::default(),
-                seed: cfg.run.seed,
-                loss: f64::NAN,
-                tokens: 0,
-            }
+            TrainerState::fresh(cfg.run.seed)
         }
     };
     model.set_active_adapter(Some(ADAPTER))?;
