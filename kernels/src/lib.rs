@@ -10,6 +10,8 @@
 //! - [`tiling`]: Qwen2-VL image preprocessing (smart_resize, bicubic antialiased resize, normalise, patchify).
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod norm;
 pub mod ops;
 pub mod rope;
