@@ -1,0 +1,1 @@
+//! (placeholder: the attention kernels' GPU tests land here)

@@ -1,0 +1,1 @@
+//! (placeholder: the norm_rope_ce kernels' GPU tests land here)

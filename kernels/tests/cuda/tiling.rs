@@ -1,0 +1,1 @@
+//! (placeholder: the tiling kernels' GPU tests land here)
