@@ -1,0 +1,8 @@
+//! (placeholder: the attention benchmarks land here)
+
+use anyhow::Result;
+use candle_core::Device;
+
+pub fn run(_dev: &Device) -> Result<()> {
+    Ok(())
+}
