@@ -2,13 +2,14 @@
 //!
 //! cargo run --release -p askgui-model --example generate -- --model DIR|HUB_ID --image PATH --prompt TEXT
 //!     [--max-new-tokens N] [--min-pixels N] [--max-pixels N] [--temperature T --top-p P --top-k K --seed S]
-//!     [--dump FILE] [--timings]
+//!     [--dump FILE] [--timings] [--device cpu|cuda --dtype f32|bf16] [--repeat N]
 //!
 //! The prompt is one user turn holding the image and then the text, with the default system prompt.
 //! `--dump FILE` writes a safetensors file with `input_ids` [1, T], `pixel_values` [P, 1176] f32,
 //! `image_grid_thw` [1, 3], `logits` [T, V] f32 (every prompt position) and `generated_ids` [N], for
 //! comparing against another implementation. `--timings` prints one JSON line of phase timings to stderr
-//! (what `scripts/bench_generate.sh` reads).
+//! (what `scripts/bench_generate.sh` reads). `--repeat N` runs the generation N more times after the first
+//! (a warm-up) and reports the medians; `--device cuda` (with `--features cuda`) runs on the first GPU.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -58,6 +59,25 @@ struct Args {
     /// Print phase timings as one JSON line on stderr.
     #[arg(long)]
     timings: bool,
+    /// Timed repetitions after the first generation (the timings are then medians).
+    #[arg(long, default_value_t = 0)]
+    repeat: usize,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    dtype: DTypeArg,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum DTypeArg {
+    F32,
+    Bf16,
 }
 
 fn main() -> std::process::ExitCode {
@@ -76,8 +96,15 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
-    let device = Device::Cpu;
-    let mut model = Qwen2Vl::load(&args.model, &device, DType::F32).context("loading the model")?;
+    let device = match args.device {
+        DeviceArg::Cpu => Device::Cpu,
+        DeviceArg::Cuda => Device::new_cuda(0).context("--device cuda (build with --features cuda)")?,
+    };
+    let dtype = match args.dtype {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::Bf16 => DType::BF16,
+    };
+    let mut model = Qwen2Vl::load(&args.model, &device, dtype).context("loading the model")?;
     if let Some(dir) = &args.adapter {
         model.load_adapter("adapter", dir).with_context(|| format!("loading the adapter {}", dir.display()))?;
         model.set_active_adapter(Some("adapter"))?;
@@ -104,7 +131,21 @@ fn run(args: Args) -> Result<()> {
         stop_tokens,
     };
     let prompt = Prompt { ids: ids.clone(), images: vec![processed.clone()] };
-    let (gens, timings) = generate(&model, &[prompt], &params, args.dump.is_some())?;
+    let (gens, mut timings) = generate(&model, std::slice::from_ref(&prompt), &params, args.dump.is_some())?;
+    if args.repeat > 0 {
+        let mut runs = Vec::with_capacity(args.repeat);
+        for _ in 0..args.repeat {
+            runs.push(generate(&model, std::slice::from_ref(&prompt), &params, false)?.1);
+        }
+        let median = |f: fn(&askgui_model::Timings) -> f64| {
+            let mut v: Vec<f64> = runs.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        timings.vision_s = median(|t| t.vision_s);
+        timings.prefill_s = median(|t| t.prefill_s);
+        timings.decode_s = median(|t| t.decode_s);
+    }
     let g = &gens[0];
     println!("{}", tokenizer.decode(&g.tokens, true)?);
 
@@ -117,6 +158,9 @@ fn run(args: Args) -> Result<()> {
             "generate_s": timings.vision_s + timings.prefill_s + timings.decode_s,
             "prompt_tokens": ids.len(),
             "new_tokens": g.tokens.len(),
+            "repeat": args.repeat,
+            "device": format!("{:?}", args.device).to_lowercase(),
+            "dtype": format!("{:?}", args.dtype).to_lowercase(),
         });
         eprintln!("{j}");
     }

@@ -3,6 +3,7 @@
 //!
 //! cargo run --release -p askgui-model --example lora_step -- --model DIR --path ops|composed
 //!     [--checkpointing] [--batch N] [--steps N] [--save-adapter DIR] [--inspect-gradstore]
+//!     [--device cpu|cuda --dtype f32|bf16 --image-size WxH --max-pixels N --supervised N]
 //!
 //! Paths: `ops` is the training path ([`Qwen2Vl::loss_and_grads`]: the kernels' CustomOps with explicit
 //! backward, with or without gradient checkpointing); `composed` is the inference forward built from
@@ -12,6 +13,10 @@
 //! `--inspect-gradstore` also runs the `ops` loss as one graph and sorts everything candle's own
 //! `GradStore` holds into LoRA, base weights and other tensors (with the shapes of the others).
 //! `--save-adapter DIR` saves the trained adapter in PEFT's transformers-5 key layout.
+//! On CUDA (`--features cuda`) the JSON line also has the high-water marks of the device memory pool
+//! that candle allocates from (`gpu_used_high_bytes`, `gpu_reserved_high_bytes`: torch's
+//! `max_memory_allocated` / `max_memory_reserved`), over the timed steps and the warm-up; a bf16 model
+//! keeps its adapter in f32 (the trainer's masters).
 //!
 //! Each sequence is `text/2` random text ids, `<|vision_start|>`, the image pads of one synthetic
 //! `side x side` image, `<|vision_end|>`, and `text - text/2` random text ids; the trailing text is
@@ -38,6 +43,18 @@ enum PathKind {
     Ops,
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DTypeArg {
+    F32,
+    Bf16,
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "LoRA training steps, timed, with peak RSS and the gradients kept")]
 struct Args {
@@ -50,8 +67,21 @@ struct Args {
     checkpointing: bool,
     #[arg(long, default_value_t = 448)]
     image_side: u32,
+    /// `WIDTHxHEIGHT` of the synthetic image (instead of `--image-side` squared), e.g. 1080x2400.
+    #[arg(long)]
+    image_size: Option<String>,
+    /// The image processor's max_pixels (default: the checkpoint's).
+    #[arg(long)]
+    max_pixels: Option<usize>,
     #[arg(long, default_value_t = 64)]
     text_tokens: usize,
+    /// Supervised trailing text tokens (default: the text after the image, half of `--text-tokens`).
+    #[arg(long)]
+    supervised: Option<usize>,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    dtype: DTypeArg,
     #[arg(long, default_value_t = 16)]
     rank: usize,
     /// Sequences per step (`ops` path only for more than 1).
@@ -91,26 +121,43 @@ fn main() -> Result<()> {
     if args.batch == 0 || (args.batch > 1 && matches!(args.path, PathKind::Composed)) {
         bail!("--batch must be 1 for the composed path and at least 1 for ops");
     }
-    let device = Device::Cpu;
-    let mut model = Qwen2Vl::load(&args.model, &device, DType::F32).context("loading the model")?;
+    let device = match args.device {
+        DeviceArg::Cpu => Device::Cpu,
+        DeviceArg::Cuda => Device::new_cuda(0).context("--device cuda (build with --features cuda)")?,
+    };
+    let dtype = match args.dtype {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::Bf16 => DType::BF16,
+    };
+    let mut model = Qwen2Vl::load(&args.model, &device, dtype).context("loading the model")?;
+    if let Some(m) = args.max_pixels {
+        model.image_config.max_pixels = m;
+    }
     let cfg = model.cfg.clone();
     let mut rng = StdRng::seed_from_u64(args.seed);
 
     // A synthetic image: a smooth gradient plus noise.
-    let side = args.image_side;
-    let img = image::RgbImage::from_fn(side, side, |x, y| {
+    let (w, h) = match &args.image_size {
+        Some(s) => {
+            let (w, h) = s.split_once('x').context("--image-size is WIDTHxHEIGHT, e.g. 1080x2400")?;
+            (w.parse::<u32>().context("--image-size width")?, h.parse::<u32>().context("--image-size height")?)
+        }
+        None => (args.image_side, args.image_side),
+    };
+    let img = image::RgbImage::from_fn(w, h, |x, y| {
         let n: u8 = rng.random();
-        image::Rgb([(x * 255 / side) as u8, (y * 255 / side) as u8, n])
+        image::Rgb([(x * 255 / w) as u8, (y * 255 / h) as u8, n])
     });
     let processed = preprocess(&img, &model.image_config)?;
     let n_img = processed.num_tokens(model.image_config.geometry.merge_size);
-    let pixel_values = processed.pixel_tensor(&device)?;
+    let pixel_values = processed.pixel_tensor(&device)?.to_dtype(dtype)?;
 
     // Random text ids below the special ids (which sit at the top of the vocabulary).
     let specials = [cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id];
     let text_max = *specials.iter().min().unwrap_or(&(cfg.text.vocab_size as u32));
     let before = args.text_tokens / 2;
     let after = args.text_tokens - before;
+    let supervised = args.supervised.unwrap_or(after).min(after);
     let batch: Vec<TrainExample> = (0..args.batch)
         .map(|_| {
             let mut text = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..text_max)).collect() };
@@ -121,7 +168,7 @@ fn main() -> Result<()> {
             ids.extend(text(after));
             let t = ids.len();
             TrainExample {
-                labels_mask: (0..t).map(|i| i >= t - after).collect(),
+                labels_mask: (0..t).map(|i| i >= t - supervised).collect(),
                 ids,
                 pixel_values: Some(pixel_values.clone()),
                 grid_thw: vec![processed.grid_thw],
@@ -165,6 +212,7 @@ fn main() -> Result<()> {
         };
         let kept: u64 = grads.get_ids().filter_map(|id| grads.get_id(*id)).map(bytes).sum();
         opt.step(&grads)?;
+        device.synchronize()?;
         Ok((loss, t0.elapsed().as_secs_f64(), kept))
     };
     let (loss_first, warmup_s, grads_kept) = step(&model, &mut opt, 0)?;
@@ -183,6 +231,7 @@ fn main() -> Result<()> {
         t[t.len() / 2]
     };
     let peak = proc_status_kb("VmHWM")?;
+    let gpu = gpu::pool_high_water(&device)?;
 
     let mut out = serde_json::json!({
         "stack": "askgui (candle)",
@@ -204,9 +253,16 @@ fn main() -> Result<()> {
         "step_s_all": times,
         "step_s_median": median,
         "tokens_per_s": (args.batch * seq_len) as f64 / median,
+        "samples_per_s": args.batch as f64 / median,
         "peak_rss_bytes": peak,
         "rss_before_first_step_bytes": rss_before,
         "grads_kept_bytes": grads_kept,
+        "device": format!("{:?}", args.device).to_lowercase(),
+        "dtype": format!("{:?}", args.dtype).to_lowercase(),
+        "image_size": [w, h],
+        "supervised_tokens": supervised * args.batch,
+        "gpu_used_high_bytes": gpu.map(|g| g.0),
+        "gpu_reserved_high_bytes": gpu.map(|g| g.1),
     });
     if args.inspect_gradstore {
         out["candle_gradstore"] = inspect(&model, &batch, &vars.iter().map(|(_, v)| v.as_tensor().id()).collect())?;
@@ -250,4 +306,43 @@ fn inspect(
         "other_shapes": other_shapes,
         "lora_vars_without_grad": missing,
     }))
+}
+
+/// The CUDA memory pool's high-water marks (used, reserved) in bytes; `None` on the CPU.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use anyhow::{bail, Result};
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::Device;
+
+    pub fn pool_high_water(device: &Device) -> Result<Option<(u64, u64)>> {
+        let Device::Cuda(d) = device else { return Ok(None) };
+        let cu_device = d.cuda_stream().context().cu_device();
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let (mut used, mut reserved) = (0u64, 0u64);
+        // SAFETY: plain driver queries on the context candle created, writing into the locals above.
+        unsafe {
+            let r = sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device);
+            if r != sys::CUresult::CUDA_SUCCESS {
+                bail!("cuDeviceGetDefaultMemPool: {r:?}");
+            }
+            for (attr, out) in [
+                (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut used),
+                (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &mut reserved),
+            ] {
+                let r = sys::cuMemPoolGetAttribute(pool, attr, out as *mut u64 as *mut std::ffi::c_void);
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    bail!("cuMemPoolGetAttribute({attr:?}): {r:?}");
+                }
+            }
+        }
+        Ok(Some((used, reserved)))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod gpu {
+    pub fn pool_high_water(_device: &candle_core::Device) -> anyhow::Result<Option<(u64, u64)>> {
+        Ok(None)
+    }
 }

@@ -63,10 +63,14 @@ pub fn activation(x: &Tensor, act: VisionAct) -> Result<Tensor> {
     }
 }
 
-/// Whether the kernels' CPU CustomOps take this tensor (CPU, f32 / f64); elsewhere the inference
-/// forward uses the plain-candle references.
+/// Whether the kernels' CustomOps take this tensor: on CPU f32 / f64, on CUDA f32 / bf16 (the `cuda`
+/// feature's kernels); elsewhere the inference forward uses the plain-candle references.
 fn has_kernel(x: &Tensor) -> bool {
-    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)
+    match x.device() {
+        candle_core::Device::Cpu => matches!(x.dtype(), DType::F32 | DType::F64),
+        candle_core::Device::Cuda(_) => matches!(x.dtype(), DType::F32 | DType::BF16),
+        _ => false,
+    }
 }
 
 /// RMSNorm for the inference forward: the kernels' op where it has a kernel, else the reference (equal

@@ -31,4 +31,4 @@ pub use generate::{generate, FinishReason, Generation, Prompt, SamplingParams, T
 pub use image::{load_image, preprocess, ImageProcessorConfig, ProcessedImage};
 pub use lora::{AdapterLayout, LoraConfig};
 pub use model::{mrope_positions, Qwen2Vl};
-pub use train::{StepOptions, StepOutput, TrainExample};
+pub use train::{master_dtype, StepOptions, StepOutput, TrainExample};

@@ -219,8 +219,17 @@ pub struct LoraDelta {
 impl LoraDelta {
     /// `x (..., in) -> scale * (x A^T) B^T (..., out)`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        // Trainable adapters of a bf16 model keep f32 masters (`train::master_dtype`): the product runs
+        // in the adapter's dtype and comes back in the activations' (both casts are differentiable).
+        let (dtype, master) = (x.dtype(), self.a.dtype());
+        let x = if dtype == master { x.clone() } else { x.to_dtype(master)? };
         // (..., in) -> (..., r) -> (..., out)
-        x.broadcast_matmul(&self.a.t()?)?.broadcast_matmul(&self.b.t()?)? * self.scale
+        let y = (x.broadcast_matmul(&self.a.t()?)?.broadcast_matmul(&self.b.t()?)? * self.scale)?;
+        if dtype == master {
+            Ok(y)
+        } else {
+            y.to_dtype(dtype)
+        }
     }
 
     /// `scale * B A`, `(out, in)`, computed in f32 and returned in `dtype`.

@@ -108,14 +108,14 @@ impl Qwen2Vl {
                 eos_token_ids.push(id);
             }
         }
-        tracing::info!(
-            arch = ?cfg.arch,
-            dir = %files.dir.display(),
-            ?dtype,
-            device = ?device,
-            kernels = "attention, norms, rope: CustomOps (CPU f32/f64), elsewhere references",
-            "loaded model"
-        );
+        // The path is chosen here, once: the kernels' ops run where they have a kernel for the device and
+        // dtype (`layers::has_kernel`), the plain-candle references elsewhere.
+        let kernels = match (device, dtype) {
+            (Device::Cpu, DType::F32 | DType::F64) => "askgui CPU kernels (attention, norms, rope)",
+            (Device::Cuda(_), DType::F32 | DType::BF16) => "askgui CUDA kernels (attention, norms, rope)",
+            _ => "plain-candle references (no askgui kernel for this device and dtype)",
+        };
+        tracing::info!(arch = ?cfg.arch, dir = %files.dir.display(), ?dtype, ?device, kernels, "loaded model");
         Ok(Self {
             cfg,
             files,

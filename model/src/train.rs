@@ -68,6 +68,15 @@ impl TrainCtx {
     }
 }
 
+/// The dtype trainable adapter weights are kept in: f32 master copies for a half-precision (bf16 / f16)
+/// model, so that small AdamW updates are not rounded away; the model's own dtype otherwise.
+pub fn master_dtype(model: DType) -> DType {
+    match model {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    }
+}
+
 /// One training sequence: token ids, which of them are supervised, and its images.
 #[derive(Debug, Clone)]
 pub struct TrainExample {
@@ -153,6 +162,8 @@ impl Linear {
         let y = match (ctx.full, &self.bias) {
             (true, Some(b)) => x.broadcast_matmul(&self.weight.t()?)?.broadcast_add(b)?,
             (true, None) => x.broadcast_matmul(&self.weight.t()?)?,
+            // On CUDA, candle's broadcast add: its extra bias gradient is one row of `out` floats.
+            (false, Some(b)) if !x.device().is_cpu() => ops::frozen_linear(x, &self.weight)?.broadcast_add(b)?,
             (false, Some(b)) => ops::frozen_linear(x, &self.weight)?
                 .contiguous()?
                 .apply_op1(FrozenBias(b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?))?,
@@ -174,7 +185,7 @@ impl Qwen2Vl {
         if self.lora.adapters.contains_key(name) {
             return Err(ModelError::Train(format!("an adapter named `{name}` is already loaded")));
         }
-        let (dtype, device, r) = (self.dtype(), self.device.clone(), config.r);
+        let (dtype, device, r) = (master_dtype(self.dtype()), self.device.clone(), config.r);
         let mut rng = StdRng::seed_from_u64(seed);
         let mut modules = BTreeMap::new();
         for l in self.linears() {
@@ -205,7 +216,9 @@ impl Qwen2Vl {
         };
         let mut modules = BTreeMap::new();
         for (m, (a, b)) in &adapter.modules {
-            let (a, b) = (Var::from_tensor(&a.copy()?)?, Var::from_tensor(&b.copy()?)?);
+            let master = master_dtype(a.dtype());
+            let (a, b) =
+                (Var::from_tensor(&a.to_dtype(master)?.copy()?)?, Var::from_tensor(&b.to_dtype(master)?.copy()?)?);
             modules.insert(m.clone(), (a.as_tensor().clone(), b.as_tensor().clone()));
         }
         let config = adapter.config.clone();

@@ -72,6 +72,21 @@ pub struct ModelArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub init_config: Option<PathBuf>,
+    /// Where to train: `auto` takes the first CUDA GPU when the binary is built with `--features cuda`
+    /// and one is present (bf16 weights, f32 LoRA masters), else the CPU (f32).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
+    #[serde(default)]
+    pub device: DeviceKind,
+}
+
+/// The device option of [`ModelArgs`].
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]

@@ -25,7 +25,7 @@ use serde::Serialize;
 
 use crate::agent_eval::{self, AgentMetrics, SamplePrediction};
 use crate::checkpoint::{self, TrainerState};
-use crate::config::{Mode, RunControl, TrainConfig};
+use crate::config::{DeviceKind, Mode, RunControl, TrainConfig};
 use crate::data::{self, DataOptions, DataStats, Dataset};
 use crate::error::{io, Result, TrainError};
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
@@ -127,14 +127,38 @@ fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device)
     Ok(sum / tokens.max(1) as f64)
 }
 
-/// The model in f32 on the CPU, with the image processor's pixel bounds from `cfg` where it sets them.
-fn load_model(cfg: &TrainConfig, device: &Device) -> Result<Qwen2Vl> {
+/// The device and weight dtype of `--device`, chosen once and logged: the CPU trains in f32; a CUDA
+/// GPU in bf16 (trainable adapters keep f32 masters, `askgui_model::master_dtype`). Full training
+/// on a GPU stays f32: its base weights are the trained parameters.
+fn pick_device(kind: DeviceKind) -> Result<(Device, DType)> {
+    let device = match kind {
+        DeviceKind::Cpu => Device::Cpu,
+        DeviceKind::Cuda => Device::new_cuda(0).map_err(|e| {
+            TrainError::Config(format!("--device cuda: {e} (build with `--features cuda` on a machine with a GPU)"))
+        })?,
+        DeviceKind::Auto => match Device::cuda_if_available(0) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!("no usable CUDA device ({e}); training on the CPU");
+                Device::Cpu
+            }
+        },
+    };
+    let dtype = if device.is_cuda() { DType::BF16 } else { DType::F32 };
+    tracing::info!("training on {device:?} with {dtype:?} weights");
+    Ok((device, dtype))
+}
+
+/// The model on `device` in `dtype` (f32 for full training), with the image processor's pixel bounds
+/// from `cfg` where it sets them.
+fn load_model(cfg: &TrainConfig, device: &Device, dtype: DType) -> Result<Qwen2Vl> {
+    let dtype = if cfg.model.mode == Mode::Full { DType::F32 } else { dtype };
     let path = match (&cfg.model.model, &cfg.model.init_config) {
         (Some(m), _) => m.clone(),
         (None, Some(c)) => crate::init::init_model_dir(cfg, c)?,
         (None, None) => unreachable!("validated"),
     };
-    let mut model = Qwen2Vl::load(&path, device, DType::F32)?;
+    let mut model = Qwen2Vl::load(&path, device, dtype)?;
     let ic = &mut model.image_config;
     if cfg.data.min_pixels > 0 {
         ic.min_pixels = cfg.data.min_pixels;
@@ -204,8 +228,8 @@ fn adapter_and_optimiser(model: &mut Qwen2Vl, cfg: &TrainConfig, ckpt: Option<&P
 pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     cfg.validate()?;
     tracing::info!("resolved config:\n{}", cfg.to_toml());
-    let device = Device::Cpu;
-    let mut model = load_model(cfg, &device)?;
+    let (device, dtype) = pick_device(cfg.model.device)?;
+    let mut model = load_model(cfg, &device, dtype)?;
     let tokenizer = model.tokenizer()?;
 
     // Data.
