@@ -84,6 +84,13 @@ struct Args {
     dtype: DTypeArg,
     #[arg(long, default_value_t = 16)]
     rank: usize,
+    /// LoRA dropout on the adapted linears' inputs.
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
+    /// Adapt the language model's seven projections only (as `scripts/gpu/bench_torch_lora_step.py`
+    /// does); by default the names also match the vision tower's MLPs, as PEFT's suffix match does.
+    #[arg(long)]
+    lm_only: bool,
     /// Sequences per step (`ops` path only for more than 1).
     #[arg(long, default_value_t = 1)]
     batch: usize,
@@ -178,8 +185,17 @@ fn main() -> Result<()> {
     let seq_len = batch[0].ids.len();
 
     let targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
-    let lora = LoraConfig::new(args.rank, 2.0 * args.rank as f64, &targets);
+    let per_layer: Vec<String> = (0..cfg.text.num_hidden_layers)
+        .flat_map(|i| {
+            let attn = ["q_proj", "k_proj", "v_proj", "o_proj"].map(|p| format!("layers.{i}.self_attn.{p}"));
+            let mlp = ["gate_proj", "up_proj", "down_proj"].map(|p| format!("layers.{i}.mlp.{p}"));
+            attn.into_iter().chain(mlp)
+        })
+        .collect();
+    let per_layer: Vec<&str> = per_layer.iter().map(String::as_str).collect();
+    let lora = LoraConfig::new(args.rank, 2.0 * args.rank as f64, if args.lm_only { &per_layer } else { &targets });
     model.add_trainable_adapter("train", lora, args.seed)?;
+    model.set_adapter_dropout("train", args.dropout)?;
     model.set_active_adapter(Some("train"))?;
     let vars = model.trainable_vars("train")?;
     let lora_bytes: u64 = vars.iter().map(|(_, v)| bytes(v.as_tensor())).sum();
@@ -243,6 +259,7 @@ fn main() -> Result<()> {
         "image_tokens": n_img,
         "grid_thw": processed.grid_thw,
         "rank": args.rank,
+        "lora_dropout": args.dropout,
         "lora_modules": n_modules,
         "lora_modules_vision": n_vision_modules,
         "lora_param_bytes": lora_bytes,
