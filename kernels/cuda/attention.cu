@@ -21,52 +21,14 @@
 //   dV += P^T dO, dK += dS^T Q in registers, dQ += dS K by f32 atomicAdd; dK, dV go to the kv head's rows
 //   by atomicAdd too (the Hq / Hkv query heads of a group share them). All three land in one zeroed f32
 //   buffer laid out as the op's output [dq, dk, dv]; `attention_cast_bf16` rounds it for bf16.
-// - bf16 forward on tensor cores (`forward_tc`, nvcuda::wmma 16x16x16 bf16 with f32 accumulate): same
-//   tiles and outputs, 4 warps of 16 query rows; measured on an H100 at decoder-3b (T 4096, D 128,
-//   causal) 2.1 ms against 3.7 ms for the CUDA-core kernel (PyTorch sdpa flash: 0.34 ms).
+// - bf16 has tensor-core twins of these kernels in attention_tc.cu (same contract); these CUDA-core ones
+//   serve f32, and bf16 on devices without the shared memory the tensor-core ones need.
 //
 // Compile check: nvcc -ptx -arch=compute_80 -std=c++17 -Icuda cuda/attention.cu (build.rs does this).
-#include <mma.h>
-
-#include "common.cuh"
+#include "attention.cuh"
 
 namespace askgui {
 namespace attn {
-
-constexpr int BQ = 64;        // query rows per tile
-constexpr int BK = 64;        // key rows per tile
-constexpr int THREADS = 256;  // 16 x 16
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
-
-enum Mask : int { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_BLOCK = 2 };
-
-// The segment s with cu[s] <= i < cu[s + 1] (cu[0] = 0, cu[nseg] = T > i): empty segments are skipped.
-__device__ __forceinline__ int segment_of(const int* cu, int nseg, int i) {
-  int a = 0, b = nseg;
-  while (b - a > 1) {
-    const int m = (a + b) >> 1;
-    if (cu[m] <= i) a = m; else b = m;
-  }
-  return a;
-}
-
-// Keys [lo, hi) that query row i may see before key padding; an empty range for rows past tq.
-__device__ __forceinline__ void row_keys(int i, int tq, int tk, int mask, const int* cu, int nseg, int& lo,
-                                         int& hi) {
-  lo = 0;
-  hi = 0;
-  if (i >= tq) return;
-  if (mask == MASK_CAUSAL) {
-    hi = tk - tq + i + 1;
-  } else if (mask == MASK_BLOCK) {
-    const int s = segment_of(cu, nseg, i);
-    lo = cu[s];
-    hi = cu[s + 1];
-  } else {
-    hi = tk;
-  }
-}
 
 // Dynamic shared memory of the forward, in bytes (the Rust side computes the same number).
 template <int DP>
@@ -229,171 +191,6 @@ __device__ __forceinline__ void forward(const T* __restrict__ q, int qs, const T
   }
 }
 
-
-// ---- Tensor-core forward for bf16 (nvcuda::wmma 16x16x16, f32 accumulate) ----
-// Same tiles, masks and outputs as `forward`, 4 warps of 16 query rows each. Per key tile a warp computes
-// its S (16 x 64) = Q K^T with wmma into shared memory, runs the online softmax with 2 lanes per row
-// (interleaved columns 2c + half), writes P as bf16 and computes P V (16 x DP) with wmma; the running
-// output stays in registers (DP / 2 per lane), rescaled by exp2(m_old - m_new) per row. The row sum l
-// adds the f32 p (P V multiplies their bf16 roundings, as FlashAttention-2 does), so the saved logsumexp
-// is the one the backward's P = exp(S - lse) needs.
-constexpr int TC_WARPS = 4;
-constexpr int TC_THREADS = 32 * TC_WARPS;
-
-template <int DP>
-struct TcLayout {
-  static constexpr int LDH = DP + 8;  // bf16 row stride of the Q, K, V tiles (wmma: a multiple of 8)
-  static constexpr int LDS = BK + 4;  // f32 row stride of a warp's scores (a multiple of 4)
-  static constexpr int LDP = BK + 8;  // bf16 row stride of a warp's probabilities
-  static constexpr int LDO = DP + 4;  // f32 row stride of a warp's P V
-  // Every part is a multiple of 32 bytes, so every wmma pointer is 256-bit aligned.
-  static constexpr int TILE = BQ * LDH * 2;
-  static constexpr int WARP = 16 * LDS * 4 + 16 * LDP * 2 + 16 * LDO * 4;
-  static constexpr int BYTES = 3 * TILE + TC_WARPS * WARP + (2 * BQ + BK) * 4;
-};
-
-template <int DP>
-__device__ __forceinline__ void forward_tc(const __nv_bfloat16* __restrict__ q, int qs,
-                                           const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,
-                                           __nv_bfloat16* __restrict__ out, float* __restrict__ lse,
-                                           const uint8_t* __restrict__ keep, const int* __restrict__ cu, int nseg,
-                                           int hq, int hkv, int tq, int tk, int d, int mask, int has_keep,
-                                           float scale) {
-  using namespace nvcuda;
-  using L = TcLayout<DP>;
-  using bf16 = __nv_bfloat16;
-  constexpr int LDH = L::LDH, LDS = L::LDS, LDP = L::LDP, LDO = L::LDO;
-  constexpr int KD = DP / 16;  // wmma steps over the head dim
-  constexpr int OC = DP / 2;   // output columns per lane
-  extern __shared__ __align__(128) unsigned char tc_smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(tc_smem);                 // (BQ, LDH)
-  bf16* Ks = reinterpret_cast<bf16*>(tc_smem + L::TILE);       // (BK, LDH)
-  bf16* Vs = reinterpret_cast<bf16*>(tc_smem + 2 * L::TILE);   // (BK, LDH)
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  unsigned char* wb = tc_smem + 3 * L::TILE + warp * L::WARP;
-  float* Sf = reinterpret_cast<float*>(wb);                                     // (16, LDS)
-  bf16* Pb = reinterpret_cast<bf16*>(wb + 16 * LDS * 4);                        // (16, LDP)
-  float* Of = reinterpret_cast<float*>(wb + 16 * LDS * 4 + 16 * LDP * 2);       // (16, LDO)
-  int* row_lo = reinterpret_cast<int*>(tc_smem + 3 * L::TILE + TC_WARPS * L::WARP);  // (BQ)
-  int* row_hi = row_lo + BQ;                                                          // (BQ)
-  int* key_ok = row_hi + BQ;                                                          // (BK)
-
-  const int q0 = blockIdx.x * BQ;
-  const int bh = blockIdx.y;
-  const int b = bh / hq, h = bh % hq;
-  const long long kvh = (long long)b * hkv + h / (hq / hkv);
-  const int nq = min(BQ, tq - q0);
-  const bf16* qp = q + ((long long)bh * tq + q0) * qs;
-  const bf16* kp = k + kvh * tk * d;
-  const bf16* vp = v + kvh * tk * d;
-  const float sl2 = scale * LOG2E;
-  const bf16 zero = __float2bfloat16(0.f);
-
-  for (int x = tid; x < BQ * DP; x += TC_THREADS) {
-    const int r = x / DP, c = x % DP;
-    Qs[r * LDH + c] = (r < nq && c < d) ? qp[(long long)r * qs + c] : zero;
-  }
-  if (tid < BQ) row_keys(q0 + tid, tq, tk, mask, cu, nseg, row_lo[tid], row_hi[tid]);
-  int klo = 0, khi = 0, dummy;
-  row_keys(q0, tq, tk, mask, cu, nseg, klo, dummy);
-  row_keys(q0 + nq - 1, tq, tk, mask, cu, nseg, dummy, khi);
-  __syncthreads();
-
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> qa[KD];
-#pragma unroll
-  for (int kk = 0; kk < KD; ++kk) wmma::load_matrix_sync(qa[kk], Qs + warp * 16 * LDH + kk * 16, LDH);
-
-  const int r = lane >> 1, half = lane & 1;  // this lane's row among the warp's 16, its column parity
-  const int i = warp * 16 + r;
-  const int lo = row_lo[i], hi = row_hi[i];
-  float m = -INFINITY, l = 0.f, o[OC];
-#pragma unroll
-  for (int c = 0; c < OC; ++c) o[c] = 0.f;
-
-  for (int k0 = klo; k0 < khi; k0 += BK) {
-    const int nk = min(BK, khi - k0);
-    for (int x = tid; x < BK * DP; x += TC_THREADS) {
-      const int rr = x / DP, c = x % DP;
-      const bool in = rr < nk && c < d;
-      Ks[rr * LDH + c] = in ? kp[(long long)(k0 + rr) * d + c] : zero;
-      Vs[rr * LDH + c] = in ? vp[(long long)(k0 + rr) * d + c] : zero;
-    }
-    if (tid < BK) key_ok[tid] = tid < nk && (!has_keep || keep[(long long)b * tk + k0 + tid] != 0);
-    __syncthreads();
-
-    // S (16 x BK) = Q_w K^T: K row-major (key, d) is K^T column-major.
-#pragma unroll
-    for (int n = 0; n < BK / 16; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-      for (int kk = 0; kk < KD; ++kk) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> kb;
-        wmma::load_matrix_sync(kb, Ks + n * 16 * LDH + kk * 16, LDH);
-        wmma::mma_sync(acc, qa[kk], kb, acc);
-      }
-      wmma::store_matrix_sync(Sf + n * 16, acc, LDS, wmma::mem_row_major);
-    }
-    __syncwarp();
-
-    float s[BK / 2];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < BK / 2; ++c) {
-      const int jj = 2 * c + half, j = k0 + jj;
-      const bool ok = key_ok[jj] && j >= lo && j < hi;
-      s[c] = ok ? Sf[r * LDS + jj] * sl2 : -INFINITY;
-      mx = fmaxf(mx, s[c]);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    const float mnew = fmaxf(m, mx);
-    const float alpha = mnew == -INFINITY ? 1.f : exp2f(m - mnew);
-    float rs = 0.f;
-#pragma unroll
-    for (int c = 0; c < BK / 2; ++c) {
-      const float p = mnew == -INFINITY ? 0.f : exp2f(s[c] - mnew);
-      Pb[r * LDP + 2 * c + half] = __float2bfloat16_rn(p);
-      rs += p;
-    }
-    rs += __shfl_xor_sync(0xffffffffu, rs, 1);
-    l = l * alpha + rs;
-    m = mnew;
-#pragma unroll
-    for (int c = 0; c < OC; ++c) o[c] *= alpha;
-    __syncwarp();
-
-    // P V (16 x DP), added to the running output.
-#pragma unroll
-    for (int n = 0; n < KD; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> pa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> vb;
-        wmma::load_matrix_sync(pa, Pb + kk * 16, LDP);
-        wmma::load_matrix_sync(vb, Vs + kk * 16 * LDH + n * 16, LDH);
-        wmma::mma_sync(acc, pa, vb, acc);
-      }
-      wmma::store_matrix_sync(Of + n * 16, acc, LDO, wmma::mem_row_major);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int c = 0; c < OC; ++c) o[c] += Of[r * LDO + 2 * c + half];
-    __syncthreads();  // every warp is done with Ks, Vs before the next tile overwrites them
-  }
-
-  if (i < nq) {
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    bf16* op = out + ((long long)bh * tq + q0 + i) * d;
-#pragma unroll
-    for (int c = 0; c < OC; ++c) {
-      const int col = 2 * c + half;
-      if (col < d) op[col] = __float2bfloat16_rn(o[c] * inv);
-    }
-    if (half == 0) lse[(long long)bh * tq + q0 + i] = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
-  }
-}
 
 // delta[row] = sum_c dO[row, c] * O[row, c] over the packed rows [q, O, dO] (3D each); one warp per row.
 template <typename T>
@@ -644,20 +441,6 @@ using askgui::attn::THREADS;
 ASKGUI_ATTENTION_DTYPE(f32, float)
 ASKGUI_ATTENTION_DTYPE(bf16, __nv_bfloat16)
 
-using askgui::attn::TC_THREADS;
-#define ASKGUI_ATTENTION_TC(DP)                                                                           \
-  extern "C" __global__ void __launch_bounds__(TC_THREADS) attention_fwd_tc_bf16_##DP(                    \
-      const __nv_bfloat16* q, int qs, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* out, \
-      float* lse, const uint8_t* keep, const int* cu, int nseg, int hq, int hkv, int tq, int tk, int d,   \
-      int mask, int has_keep, float scale) {                                                             \
-    askgui::attn::forward_tc<DP>(q, qs, k, v, out, lse, keep, cu, nseg, hq, hkv, tq, tk, d, mask, has_keep, \
-                                 scale);                                                                  \
-  }
-ASKGUI_ATTENTION_TC(32)
-ASKGUI_ATTENTION_TC(64)
-ASKGUI_ATTENTION_TC(80)
-ASKGUI_ATTENTION_TC(96)
-ASKGUI_ATTENTION_TC(128)
 
 // out[i] = bf16(acc[i]): the f32 gradient accumulator rounded once.
 extern "C" __global__ void attention_cast_bf16(const float* acc, __nv_bfloat16* out, long long n) {
