@@ -29,7 +29,12 @@
 //!   `D_i` in f64. Heads run in parallel with rayon (query heads in the forward, key/value heads in the
 //!   backward, so that no two tasks write one gradient element); each GEMM is single-threaded.
 //!
-//! Tests: `cargo test -p askgui-kernels --test grad_attention -- --nocapture`.
+//! CUDA (feature `cuda`; launch code in `ops/attention/cuda.rs`, kernels in `cuda/attention.cu`):
+//! the same op on f32 or bf16 storage with f32 math, FlashAttention-2 tiles that never build `Tq x Tk`;
+//! its forward keeps the logsumexp on the device (`Attention::lse_cuda`) for the backward.
+//!
+//! Tests: `cargo test -p askgui-kernels --test grad_attention -- --nocapture`; on a GPU
+//! `cargo test -p askgui-kernels --features cuda --test cuda attention -- --nocapture`.
 
 use super::gemm::{matmul, View};
 use super::{contiguous_slice, dtype_mismatch, dtype_name};
@@ -37,6 +42,13 @@ use crate::attention::AttentionMask;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+use candle_core::{cuda_backend::cudarc::driver::CudaSlice, CudaStorage};
+#[cfg(feature = "cuda")]
+pub use cuda::HEAD_DIMS as CUDA_HEAD_DIMS;
 
 /// Query rows taken at once: their scores against the keys they can see are one `(64, Tk)` block.
 pub const QUERY_BLOCK: usize = 64;
@@ -295,10 +307,14 @@ fn exp<T: WithDType>(x: f64) -> f64 {
     }
 }
 
-/// The forward op on `(q, k, v)`; keeps the logsumexp of its CPU forward for [`Attention::bwd`].
+/// The forward op on `(q, k, v)`; keeps the logsumexp of its forward (CPU or CUDA) for
+/// [`Attention::bwd`].
 struct Attention {
     spec: Spec,
     lse: Mutex<Option<Arc<Vec<f64>>>>,
+    /// `(B, Hq, Tq)` f32 on the device, from the CUDA forward.
+    #[cfg(feature = "cuda")]
+    lse_cuda: Mutex<Option<Arc<CudaSlice<f32>>>>,
 }
 
 impl CustomOp3 for Attention {
@@ -337,6 +353,24 @@ impl CustomOp3 for Attention {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let name = self.name();
+        let (qd, kd, vd) = (l1.shape().dims(), l2.shape().dims(), l3.shape().dims());
+        let dims = check_dims(name, qd, kd, vd, &self.spec.mask, self.spec.keep.is_some())?;
+        let (out, lse) = cuda::forward(name, &self.spec, &dims, (s1, l1), (s2, l2), (s3, l3))?;
+        *self.lse_cuda.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(lse));
+        Ok((out, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
@@ -350,7 +384,12 @@ impl CustomOp3 for Attention {
             return Ok((None, None, None));
         }
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let op = AttentionBwd { spec: self.spec.clone(), lse };
+        let op = AttentionBwd {
+            spec: self.spec.clone(),
+            lse,
+            #[cfg(feature = "cuda")]
+            lse_cuda: self.lse_cuda.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        };
         let qod = Tensor::cat(&[q, res, grad], 3)?;
         let flat = qod.apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
@@ -366,6 +405,18 @@ impl CustomOp3 for Attention {
 struct AttentionBwd {
     spec: Spec,
     lse: Option<Arc<Vec<f64>>>,
+    #[cfg(feature = "cuda")]
+    lse_cuda: Option<Arc<CudaSlice<f32>>>,
+}
+
+/// The sizes of a backward call: the packed `[q, O, dO]` `(B, Hq, Tq, 3D)` gives q's shape.
+fn check_bwd_dims(name: &str, pd: &[usize], kd: &[usize], vd: &[usize], spec: &Spec) -> Result<Dims> {
+    let Some((&d3, lead)) = pd.split_last() else { bail!("{name}: packed [q, O, dO] must be 4D, got {pd:?}") };
+    if d3 % 3 != 0 {
+        bail!("{name}: packed [q, O, dO] {pd:?} must have a last dimension of 3 D")
+    }
+    let qd: Vec<usize> = lead.iter().copied().chain([d3 / 3]).collect();
+    check_dims(name, &qd, kd, vd, &spec.mask, spec.keep.is_some())
 }
 
 impl CustomOp3 for AttentionBwd {
@@ -384,15 +435,13 @@ impl CustomOp3 for AttentionBwd {
     ) -> Result<(CpuStorage, Shape)> {
         let name = self.name();
         let (pd, kd, vd) = (l1.shape().dims(), l2.shape().dims(), l3.shape().dims());
-        let Some((&d3, lead)) = pd.split_last() else { bail!("{name}: packed [q, O, dO] must be 4D, got {pd:?}") };
-        if d3 % 3 != 0 {
-            bail!("{name}: packed [q, O, dO] {pd:?} must have a last dimension of 3 D")
-        }
-        let qd: Vec<usize> = lead.iter().copied().chain([d3 / 3]).collect();
-        let dims = check_dims(name, &qd, kd, vd, &self.spec.mask, self.spec.keep.is_some())?;
+        let dims = check_bwd_dims(name, pd, kd, vd, &self.spec)?;
         let lse = self.lse.as_deref().map(|l| l.as_slice());
         if lse.is_some_and(|l| l.len() != dims.b * dims.hq * dims.tq) {
-            bail!("{name}: saved logsumexp has {} rows, q {qd:?} needs B * Hq * Tq", lse.map_or(0, |l| l.len()))
+            bail!(
+                "{name}: saved logsumexp has {} rows, [q, O, dO] {pd:?} needs B * Hq * Tq",
+                lse.map_or(0, |l| l.len())
+            )
         }
         let n = l1.shape().elem_count() / 3 + 2 * l2.shape().elem_count();
         let out = match (s1, s2, s3) {
@@ -415,6 +464,25 @@ impl CustomOp3 for AttentionBwd {
         };
         Ok((out, Shape::from(n)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let name = self.name();
+        let (pd, kd, vd) = (l1.shape().dims(), l2.shape().dims(), l3.shape().dims());
+        let dims = check_bwd_dims(name, pd, kd, vd, &self.spec)?;
+        let lse = self.lse_cuda.as_deref();
+        let out = cuda::backward(name, &self.spec, &dims, lse, (s1, l1), (s2, l2), (s3, l3))?;
+        let n = l1.shape().elem_count() / 3 + 2 * l2.shape().elem_count();
+        Ok((out, Shape::from(n)))
+    }
 }
 
 /// Attention output `(B, Hq, Tq, D)` with an explicit backward; same arguments and masks as
@@ -428,6 +496,25 @@ pub fn attention(
     key_padding: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
+    let spec = spec(q, k, v, mask, key_padding, scale)?;
+    let op = Attention {
+        spec,
+        lse: Mutex::new(None),
+        #[cfg(feature = "cuda")]
+        lse_cuda: Mutex::new(None),
+    };
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// The op's data for these arguments, validated.
+fn spec(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: AttentionMask,
+    key_padding: Option<&Tensor>,
+    scale: f64,
+) -> Result<Spec> {
     let mask = match mask {
         AttentionMask::None => Mask::None,
         AttentionMask::Causal => Mask::Causal,
@@ -447,8 +534,39 @@ pub fn attention(
             Some(flags.into_iter().map(|x| x == 1.0).collect())
         }
     };
-    let op = Attention { spec: Spec { mask, keep, scale }, lse: Mutex::new(None) };
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    Ok(Spec { mask, keep, scale })
+}
+
+/// `[dq, dk, dv]` of [`attention`] for the output `o` and its gradient `grad`, computed by the backward
+/// kernel without a saved logsumexp (it recomputes it). For tests of that path: training goes through
+/// `attention(..).backward()`, which keeps the forward's logsumexp.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_grads_recomputing_lse(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    grad: &Tensor,
+    mask: AttentionMask,
+    key_padding: Option<&Tensor>,
+    scale: f64,
+) -> Result<[Tensor; 3]> {
+    let spec = spec(q, k, v, mask, key_padding, scale)?;
+    let op = AttentionBwd {
+        spec,
+        lse: None,
+        #[cfg(feature = "cuda")]
+        lse_cuda: None,
+    };
+    let qod = Tensor::cat(&[q, o, grad], 3)?;
+    let flat = qod.apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
+    let (nq, nk) = (q.elem_count(), k.elem_count());
+    Ok([
+        flat.narrow(0, 0, nq)?.reshape(q.shape())?,
+        flat.narrow(0, nq, nk)?.reshape(k.shape())?,
+        flat.narrow(0, nq + nk, nk)?.reshape(k.shape())?,
+    ])
 }
 
 #[cfg(test)]
