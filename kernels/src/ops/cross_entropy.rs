@@ -6,10 +6,19 @@
 //! `loss = sum_{mask != 0} (logsumexp(logits[r]) - logits[r, label[r]]) / n_supervised`.
 //! When no position is supervised the loss is 0 and the gradient is all zeros (not NaN), so an all-prompt
 //! micro-batch is harmless. The backward is `(softmax - onehot) * grad / n_supervised` on supervised rows.
-//! Tests: `cargo test -p askgui-kernels --test grad_ops`.
+//!
+//! CUDA (feature `cuda`, kernels in `cuda/cross_entropy.cu`): logits and mask f32 or bf16, math in f32.
+//! The forward is one pass per supervised row (online logsumexp, a block per row) and keeps each row's
+//! logsumexp in the op, so the backward is one more pass that writes `scale * (softmax - onehot)` straight
+//! into dlogits: the (N, V) probabilities are never materialised. Labels and mask (N elements) are copied
+//! to the host once per forward to validate supervised labels and count them, as the CPU op does.
+//! Tests: `cargo test -p askgui-kernels --test grad_ops`; on a GPU `cargo test -p askgui-kernels
+//! --features cuda --test cuda -- cross_entropy`.
 
 use super::{contiguous_slice, dtype_mismatch, dtype_name};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
+#[cfg(feature = "cuda")]
+use {super::gpu, candle_core::backend::BackendStorage, candle_core::CudaStorage};
 
 /// Checks shapes and supervised labels; returns `(N, V)`.
 fn check(op: &str, logits: &Layout, labels: &Layout, mask: &Layout) -> Result<(usize, usize)> {
@@ -69,9 +78,34 @@ fn ce_bwd<T: WithDType>(logits: &[T], labels: &[u32], mask: &[T], v: usize, scal
     out
 }
 
-/// Forward (`backward == None`) or backward kernel (`Some(scale)`) over `(logits, labels, mask)`.
+/// Forward (`backward == None`) or backward kernel (`Some(grad)`) over `(logits, labels, mask)`.
 struct CrossEntropyMasked {
     backward: Option<f64>,
+    /// CUDA: the forward's per-row logsumexp and supervised count, handed to the backward op (taken, so a
+    /// second backward through the same graph recomputes them).
+    #[cfg(feature = "cuda")]
+    saved: std::sync::Mutex<Option<gpu_ce::Saved>>,
+}
+
+impl CrossEntropyMasked {
+    fn new(backward: Option<f64>) -> Self {
+        Self {
+            backward,
+            #[cfg(feature = "cuda")]
+            saved: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The backward op for upstream gradient `g`, with what this forward saved (CUDA).
+    fn backward_op(&self, g: f64) -> Self {
+        #[allow(unused_mut)]
+        let mut op = Self::new(Some(g));
+        #[cfg(feature = "cuda")]
+        {
+            op.saved = std::sync::Mutex::new(self.saved.lock().unwrap_or_else(|e| e.into_inner()).take());
+        }
+        op
+    }
 }
 
 impl CustomOp3 for CrossEntropyMasked {
@@ -126,6 +160,38 @@ impl CustomOp3 for CrossEntropyMasked {
         Ok((out, shape))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let name = self.name();
+        let (n, v) = check(name, l1, l2, l3)?;
+        if s2.dtype() != DType::U32 {
+            bail!("{name}: labels must be u32, got {:?} {:?}", s2.dtype(), l2.shape())
+        }
+        crate::cuda::suffix(name, &[("logits", s1.dtype()), ("mask", s3.dtype())])?;
+        let k = gpu_ce::Ce { op: name, n, v };
+        let (logits, labels, mask) = ((s1, l1), (s2, l2), (s3, l3));
+        let mut saved = self.saved.lock().unwrap_or_else(|e| e.into_inner());
+        match self.backward {
+            None => {
+                let (loss, kept) = gpu::dispatch!(name, s1, gpu_ce::fwd(&k, logits, labels, mask))?;
+                *saved = Some(kept);
+                Ok((loss, Shape::from(())))
+            }
+            Some(g) => {
+                let out = gpu::dispatch!(name, s1, gpu_ce::bwd(&k, g, saved.take(), logits, labels, mask))?;
+                Ok((out, Shape::from((n, v))))
+            }
+        }
+    }
+
     fn bwd(
         &self,
         logits: &Tensor,
@@ -139,7 +205,7 @@ impl CustomOp3 for CrossEntropyMasked {
             return Ok((None, None, None));
         }
         let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let dlogits = logits.apply_op3_no_bwd(labels, mask, &CrossEntropyMasked { backward: Some(g) })?;
+        let dlogits = logits.apply_op3_no_bwd(labels, mask, &self.backward_op(g))?;
         Ok((Some(dlogits), None, None))
     }
 }
@@ -149,7 +215,7 @@ impl CustomOp3 for CrossEntropyMasked {
 /// supervised. Gradient for `logits` only.
 pub fn cross_entropy_masked(logits: &Tensor, labels: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let mask = mask.detach().to_dtype(logits.dtype())?.contiguous()?;
-    logits.contiguous()?.apply_op3(&labels.detach().contiguous()?, &mask, CrossEntropyMasked { backward: None })
+    logits.contiguous()?.apply_op3(&labels.detach().contiguous()?, &mask, CrossEntropyMasked::new(None))
 }
 
 /// Plain-candle twin of [`cross_entropy_masked`] (log-softmax, gather, masked mean), differentiable.
@@ -166,4 +232,136 @@ pub fn cross_entropy_masked_reference(logits: &Tensor, labels: &Tensor, mask: &T
     let picked = logp.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?;
     let nll = picked.neg()?.mul(&maskf)?.sum_all()?;
     nll / n_sup.max(1.0)
+}
+
+/// The CUDA launches of the cross-entropy (kernels in `cuda/cross_entropy.cu`).
+#[cfg(feature = "cuda")]
+mod gpu_ce {
+    use super::super::gpu::{kernel, row_threads, to_i32, Elem, Module};
+    use super::check_labels;
+    use crate::cuda::{per_row, view, wrap};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result};
+
+    type In<'a> = (&'a CudaStorage, &'a Layout);
+
+    /// Threads per row: a 152k-vocabulary row gives each of 512 threads ~300 elements, enough loads in
+    /// flight to stream the logits at memory bandwidth with four blocks per SM.
+    const ROW_THREADS: u32 = 512;
+
+    /// What the forward keeps for the backward: each row's logsumexp (f32, (N)) and the supervised count.
+    pub(super) struct Saved {
+        lse: CudaSlice<f32>,
+        n_sup: usize,
+    }
+
+    pub(super) struct Ce {
+        pub op: &'static str,
+        pub n: usize,
+        pub v: usize,
+    }
+
+    /// Validates labels against the vocabulary (on the host) and runs the row pass: per-row losses
+    /// (f32, (N), zero on unsupervised rows) and what the backward needs.
+    fn rows<T: Elem>(k: &Ce, dev: &CudaDevice, logits: In, labels: In, mask: In) -> Result<(CudaSlice<f32>, Saved)> {
+        let op = k.op;
+        if k.n == 0 || k.v == 0 {
+            bail!("{op}: logits {:?} are empty; the CUDA kernels need at least one row and column", logits.1.shape())
+        }
+        let lv = view::<T>(logits.0, logits.1, op, "logits")?;
+        let labv = view::<u32>(labels.0, labels.1, op, "labels")?;
+        let mv = view::<T>(mask.0, mask.1, op, "mask")?;
+        // N labels and N mask values: a small copy that lets a bad label fail with the CPU op's message.
+        let (labels_h, mask_h) = (dev.clone_dtoh(&labv)?, dev.clone_dtoh(&mv)?);
+        let n_sup = check_labels(op, &labels_h, &mask_h, k.v)?;
+        // SAFETY: ce_fwd writes loss[r] and lse[r] for every row r (one block per row).
+        let (loss, lse) = unsafe { (dev.alloc::<f32>(k.n)?, dev.alloc::<f32>(k.n)?) };
+        let v = to_i32(op, "the vocabulary", k.v)?;
+        let cfg = per_row(k.n, row_threads(k.v, ROW_THREADS), 0)?;
+        let (kn, km, kp) = kernel::<T>("ce_fwd", Module::CrossEntropy)?;
+        let f = dev.get_or_load_custom_func(&kn, km, kp)?;
+        let mut a = f.builder();
+        a.arg(&lv);
+        a.arg(&labv);
+        a.arg(&mv);
+        a.arg(&loss);
+        a.arg(&lse);
+        a.arg(&v);
+        // SAFETY: argument types and order match `ce_fwd_*`; logits hold n * v elements, labels, mask, loss
+        // and lse n; every supervised label is below v (checked above), unsupervised ones are never read.
+        unsafe { a.launch(cfg) }.w()?;
+        Ok((loss, Saved { lse, n_sup }))
+    }
+
+    /// The mean loss over supervised rows (a scalar of the logits dtype; 0 when none is supervised).
+    pub(super) fn fwd<T: Elem>(
+        _: &CudaSlice<T>,
+        k: &Ce,
+        logits: In,
+        labels: In,
+        mask: In,
+    ) -> Result<(CudaStorage, Saved)> {
+        let dev = logits.0.device();
+        let (loss, saved) = rows::<T>(k, dev, logits, labels, mask)?;
+        let (n, count) = (to_i32(k.op, "rows", k.n)?, to_i32(k.op, "supervised rows", saved.n_sup)?);
+        // SAFETY: ce_mean writes out[0].
+        let out = unsafe { dev.alloc::<T>(1)? };
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let (kn, km, kp) = kernel::<T>("ce_mean", Module::CrossEntropy)?;
+        let f = dev.get_or_load_custom_func(&kn, km, kp)?;
+        let mut a = f.builder();
+        a.arg(&loss);
+        a.arg(&n);
+        a.arg(&count);
+        a.arg(&out);
+        // SAFETY: matches `ce_mean_*`: loss holds n floats, out one element; one block of 1024 threads.
+        unsafe { a.launch(cfg) }.w()?;
+        Ok((wrap(out, dev), saved))
+    }
+
+    /// dlogits (N, V) = `g / n_sup * (softmax - onehot)` on supervised rows, zeros elsewhere. Uses the
+    /// forward's saved logsumexp when given, else recomputes it (one extra pass).
+    pub(super) fn bwd<T: Elem>(
+        _: &CudaSlice<T>,
+        k: &Ce,
+        g: f64,
+        saved: Option<Saved>,
+        logits: In,
+        labels: In,
+        mask: In,
+    ) -> Result<CudaStorage> {
+        let dev = logits.0.device();
+        let saved = match saved {
+            Some(s) => s,
+            None => rows::<T>(k, dev, logits, labels, mask)?.1,
+        };
+        if saved.n_sup == 0 {
+            return Ok(wrap(dev.alloc_zeros::<T>(k.n * k.v)?, dev));
+        }
+        let op = k.op;
+        let lv = view::<T>(logits.0, logits.1, op, "logits")?;
+        let labv = view::<u32>(labels.0, labels.1, op, "labels")?;
+        let mv = view::<T>(mask.0, mask.1, op, "mask")?;
+        let scale = (g / saved.n_sup as f64) as f32;
+        let v = to_i32(op, "the vocabulary", k.v)?;
+        // SAFETY: ce_bwd writes every element of every row (zeros on unsupervised rows).
+        let out = unsafe { dev.alloc::<T>(k.n * k.v)? };
+        let cfg = per_row(k.n, row_threads(k.v, ROW_THREADS), 0)?;
+        let (kn, km, kp) = kernel::<T>("ce_bwd", Module::CrossEntropy)?;
+        let f = dev.get_or_load_custom_func(&kn, km, kp)?;
+        let mut a = f.builder();
+        a.arg(&lv);
+        a.arg(&labv);
+        a.arg(&mv);
+        a.arg(&saved.lse);
+        a.arg(&scale);
+        a.arg(&out);
+        a.arg(&v);
+        // SAFETY: matches `ce_bwd_*`; logits and out hold n * v elements, labels, mask and lse n; the
+        // labels of supervised rows were checked against v by the forward pass that produced `saved`.
+        unsafe { a.launch(cfg) }.w()?;
+        Ok(wrap(out, dev))
+    }
 }

@@ -5,10 +5,15 @@
 //! returns `None` for `w`, so `w` never enters the `GradStore`; `dx = grad @ w` is all that is computed.
 //! The CPU forward is one call to the `gemm` crate (the multithreaded, SIMD GEMM candle's own CPU matmul
 //! uses); its twin is [`frozen_linear_reference`], candle's matmul, which the tests compare against.
-//! Tests: `cargo test -p askgui-kernels --test grad_ops`.
+//! CUDA (feature `cuda`): candle's own cuBLAS GEMM on the storages (`BackendStorage::matmul` with `w` read
+//! transposed through its strides, no copy), f32 or bf16; the backward is candle's matmul, on the GPU too.
+//! Tests: `cargo test -p askgui-kernels --test grad_ops`; on a GPU `cargo test -p askgui-kernels
+//! --features cuda --test cuda -- frozen_linear`.
 
 use super::gemm::{matmul, View};
 use super::{contiguous_slice, dtype_name};
+#[cfg(feature = "cuda")]
+use candle_core::{backend::BackendStorage, CudaStorage};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, WithDType, D};
 
 struct FrozenLinear;
@@ -22,19 +27,27 @@ fn linear_fwd<T: WithDType>(x: &[T], w: &[T], d_in: usize) -> Vec<T> {
     y
 }
 
+/// Checks x `(.., in)` against w `(out, in)`; returns `(in, out, shape of y)`.
+fn check(x: &Layout, w: &Layout) -> Result<(usize, usize, Shape)> {
+    let (xd, wd) = (x.shape().dims(), w.shape().dims());
+    let (Some(&d_in), [d_out, w_in]) = (xd.last(), wd) else {
+        bail!("frozen_linear: expected x (.., in) and w (out, in), got x {:?}, w {:?}", x.shape(), w.shape())
+    };
+    if d_in != *w_in || d_in == 0 {
+        bail!("frozen_linear: x {:?} and w {:?} disagree on a non-empty `in` dimension", x.shape(), w.shape())
+    }
+    let mut dims = xd.to_vec();
+    *dims.last_mut().expect("checked non-empty above") = *d_out;
+    Ok((d_in, *d_out, Shape::from(dims)))
+}
+
 impl CustomOp2 for FrozenLinear {
     fn name(&self) -> &'static str {
         "frozen_linear"
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (xd, wd) = (l1.shape().dims(), l2.shape().dims());
-        let (Some(&d_in), [d_out, w_in]) = (xd.last(), wd) else {
-            bail!("frozen_linear: expected x (.., in) and w (out, in), got x {:?}, w {:?}", l1.shape(), l2.shape())
-        };
-        if d_in != *w_in || d_in == 0 {
-            bail!("frozen_linear: x {:?} and w {:?} disagree on a non-empty `in` dimension", l1.shape(), l2.shape())
-        }
+        let (d_in, _, out_shape) = check(l1, l2)?;
         let name = self.name();
         let y = match (s1, s2) {
             (CpuStorage::F32(_), CpuStorage::F32(_)) => {
@@ -53,9 +66,32 @@ impl CustomOp2 for FrozenLinear {
                 l2.shape()
             ),
         };
-        let mut dims = xd.to_vec();
-        *dims.last_mut().expect("checked non-empty above") = *d_out;
-        Ok((y, Shape::from(dims)))
+        Ok((y, out_shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (d_in, d_out, out_shape) = check(l1, l2)?;
+        let name = self.name();
+        crate::cuda::suffix(name, &[("x", s1.dtype()), ("w", s2.dtype())])?;
+        let (Some((x0, _)), Some((w0, _))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            bail!(
+                "{name}: x {:?} and w {:?} must be contiguous (strides {:?}, {:?})",
+                l1.shape(),
+                l2.shape(),
+                l1.stride(),
+                l2.stride()
+            )
+        };
+        let n = l1.shape().elem_count() / d_in;
+        if n == 0 || d_out == 0 {
+            bail!("{name}: x {:?} or w {:?} is empty; cuBLAS needs at least one row and output", l1.shape(), l2.shape())
+        }
+        // (1, N, in) @ (in, out): w (out, in) row-major read as its transpose through strides (1, in).
+        let lhs = Layout::contiguous_with_offset((1, n, d_in), x0);
+        let rhs = Layout::new(Shape::from((1, d_in, d_out)), vec![d_in * d_out, 1, d_in], w0);
+        let y = s1.matmul(s2, (1, n, d_out, d_in), &lhs, &rhs)?;
+        Ok((y, out_shape))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {

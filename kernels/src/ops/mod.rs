@@ -22,6 +22,8 @@
 pub mod attention;
 pub mod cross_entropy;
 mod gemm;
+#[cfg(feature = "cuda")]
+mod gpu;
 pub mod linear;
 pub mod norm;
 pub mod rope;
