@@ -143,9 +143,10 @@ pub struct BatchPlan {
     pub rows: usize,
     pub patch_dim: usize,
     pub geometry: PatchGeometry,
-    /// Mean and std times 255, in f32, as the CPU reference normalises.
-    pub(crate) mean255: [f32; 3],
-    pub(crate) std255: [f32; 3],
+    /// Mean and std times 255, in f32, as the CPU reference normalises: a level `v` becomes
+    /// `(v as f32 - mean255[c]) / std255[c]`.
+    pub mean255: [f32; 3],
+    pub std255: [f32; 3],
     /// Largest per-image work of the horizontal pass (output pixels) and of the fused vertical pass
     /// (output values before the temporal copy), to size the launch grids.
     pub(crate) max_h_work: usize,
@@ -363,7 +364,8 @@ mod tests {
         let cfg = TilingConfig::default();
         assert_eq!(BatchPlan::new(&[], None, &cfg).unwrap_err(), TilingError::EmptyBatch);
         assert_eq!(tile_batch_reference(&[], &cfg).unwrap_err(), TilingError::EmptyBatch);
-        let cases: Vec<(Vec<(usize, usize)>, Vec<usize>)> = vec![
+        type Case = (Vec<(usize, usize)>, Vec<usize>);
+        let cases: Vec<Case> = vec![
             (vec![(10, 10), (0, 5)], vec![300, 0]),     // zero-size image
             (vec![(10, 10), (1, 300)], vec![300, 900]), // aspect ratio over 200
             (vec![(10, 10), (10, 10)], vec![300, 299]), // short buffer
