@@ -9,8 +9,23 @@
 //!
 //! `smart_resize` lives here, not in the model crate, because the coordinate frames of the agent protocol
 //! must use the very same computation (one function, not two copies).
+//!
+//! [`tile_batch_reference`] runs the whole path over a batch, in the layout of the CUDA twin
+//! (`cuda::tile_batch_cuda`, feature `cuda`), which gets its filter tables from [`plan`]: both paths share
+//! `smart_resize`, the tap tables and the validation, so they agree bit for bit and fail with the same
+//! errors.
 
 use thiserror::Error;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod plan;
+
+pub use plan::{tile_batch_reference, BatchPlan, ImageRef, TilingConfig};
+
+/// CLIP normalisation used by every Qwen2-VL / Qwen2.5-VL checkpoint.
+pub const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+pub const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
 
 /// Errors of the tiling path; each says what to change.
 #[derive(Debug, Error, PartialEq)]
@@ -23,6 +38,20 @@ pub enum TilingError {
     PixelBounds { min: usize, max: usize },
     #[error("buffer holds {got} bytes, expected {want} for a {width}x{height} RGB image")]
     Buffer { got: usize, want: usize, width: usize, height: usize },
+    #[error("the batch holds no images: pass at least one")]
+    EmptyBatch,
+    #[error("image {index} of the batch: {source}")]
+    InBatch { index: usize, source: Box<TilingError> },
+    #[error("patch geometry {0:?} is invalid: patch, merge and temporal sizes must all be at least 1")]
+    Geometry(PatchGeometry),
+    #[error("image is {width}x{height}, resized to {new_width}x{new_height}: too large for one launch (at most 2^31 values per image); lower max_pixels")]
+    TooLarge { width: usize, height: usize, new_width: usize, new_height: usize },
+    #[error(
+        "the uploaded batch holds {got} bytes, expected {want} for its {images} RGB images (concatenated, row-major)"
+    )]
+    BatchBuffer { got: usize, want: usize, images: usize },
+    #[error("tiling on the device: {0}")]
+    Device(String),
 }
 
 /// Target `(height, width)`: multiples of `factor`, area within `[min_pixels, max_pixels]`, aspect kept.
@@ -73,13 +102,20 @@ fn cubic(x: f64) -> f64 {
 }
 
 /// Per output index: first input index and int16 fixed-point weights; plus the fixed-point precision.
-struct Taps {
-    start: Vec<usize>,
-    weights: Vec<Vec<i32>>,
-    precision: u32,
+pub(crate) struct Taps {
+    pub(crate) start: Vec<usize>,
+    pub(crate) weights: Vec<Vec<i32>>,
+    pub(crate) precision: u32,
 }
 
-fn taps(n_in: usize, n_out: usize) -> Taps {
+impl Taps {
+    /// The rounding constant added before the shift (`1 << (precision - 1)`, 1 at precision 0).
+    pub(crate) fn round(&self) -> i32 {
+        1i32 << self.precision.saturating_sub(1)
+    }
+}
+
+pub(crate) fn taps(n_in: usize, n_out: usize) -> Taps {
     let scale = n_in as f64 / n_out as f64;
     let (support, inv) = if scale >= 1.0 { (2.0 * scale, 1.0 / scale) } else { (2.0, 1.0) };
     let max_taps = support.ceil() as usize * 2 + 1;
@@ -129,7 +165,7 @@ fn taps(n_in: usize, n_out: usize) -> Taps {
 /// axis in the middle); returns `outer x n_out x inner`.
 fn pass(src: &[u8], outer: usize, n_in: usize, inner: usize, n_out: usize) -> Vec<u8> {
     let t = taps(n_in, n_out);
-    let round = 1i32 << t.precision.saturating_sub(1);
+    let round = t.round();
     let mut dst = vec![0u8; outer * n_out * inner];
     for o in 0..outer {
         let s = &src[o * n_in * inner..(o + 1) * n_in * inner];
@@ -199,6 +235,13 @@ impl PatchGeometry {
     }
 }
 
+/// transformers fuses rescale into normalise: mean and std times 1 / (1/255), in f32. A pixel level `v`
+/// becomes `(v as f32 - mean) / std` with these (the CUDA kernel does the same f32 operations).
+pub(crate) fn scaled_mean_std(mean: [f32; 3], std: [f32; 3]) -> ([f32; 3], [f32; 3]) {
+    let scale = (1.0f64 / (1.0f64 / 255.0)) as f32;
+    (mean.map(|x| x * scale), std.map(|x| x * scale))
+}
+
 /// Normalises a resized RGB image and lays it out as `pixel_values (grid_h * grid_w, patch_dim)`.
 ///
 /// Rows run over (merge-block row, merge-block column, row in block, column in block), so that each run
@@ -218,10 +261,7 @@ pub fn normalize_patchify_reference(
     }
     let (p, m, tp) = (geo.patch_size, geo.merge_size, geo.temporal_patch_size);
     let (gh, gw) = (height / p, width / p);
-    // transformers fuses rescale into normalise: mean and std times 1 / (1/255), in f32.
-    let scale = (1.0f64 / (1.0f64 / 255.0)) as f32;
-    let mean: Vec<f32> = mean.iter().map(|x| x * scale).collect();
-    let std: Vec<f32> = std.iter().map(|x| x * scale).collect();
+    let (mean, std) = scaled_mean_std(mean, std);
     let dim = geo.patch_dim();
     let mut out = Vec::with_capacity(gh * gw * dim);
     for bh in 0..gh / m {
