@@ -10,6 +10,7 @@
 mod endpoint;
 mod http;
 pub mod inprocess;
+mod memo;
 pub mod openai;
 
 use std::path::PathBuf;
@@ -22,6 +23,7 @@ use crate::agent::{Agent, AgentError, Prediction, StepInput};
 
 pub use endpoint::{EndpointAgent, EndpointConfig};
 pub use inprocess::InProcessAgent;
+pub use memo::MemoAgent;
 pub use openai::{OpenAiAgent, OpenAiConfig};
 
 /// Which agent to evaluate, and how to prompt it.
