@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use askgui_data::{FrameKind, TaskMode};
+use askgui_data::{FrameKind, SystemPrompt, TaskMode};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
@@ -109,6 +109,11 @@ pub struct DataArgs {
     /// Include the element list when a step has one.
     #[arg(long, default_value_t = false)]
     pub elements: bool,
+    /// The system prompt (`compact`: one line, for small models trained from scratch; serve and eval
+    /// must then be given the same).
+    #[arg(long, value_enum, default_value_t = SystemPrompt::Full)]
+    #[serde(default)]
+    pub system_prompt: SystemPrompt,
     /// Context length in tokens: longer samples lose their oldest history until they fit.
     #[arg(long, default_value_t = 8192)]
     pub max_seq_len: usize,

@@ -151,7 +151,14 @@ pub(crate) fn messages_for(
     screenshots: Vec<PathBuf>,
 ) -> Vec<ChatMessage> {
     let elements = if cfg.elements { input.elements.as_deref() } else { None };
-    let ctx = StepContext { task: &input.task, history: &input.history, screenshots, elements, frame };
+    let ctx = StepContext {
+        task: &input.task,
+        history: &input.history,
+        screenshots,
+        elements,
+        frame,
+        system: cfg.system_prompt,
+    };
     askgui_data::step_messages(&ctx)
 }
 
