@@ -72,6 +72,11 @@ pub struct ModelArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub init_config: Option<PathBuf>,
+    /// With --init-config: the tokenizer.json of the new model instead of the byte-level one; it must
+    /// keep the byte-level ids of the special tokens (as [`crate::bpe`]'s learned tokenizers do).
+    #[arg(long, requires = "init_config")]
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub init_tokenizer: Option<PathBuf>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
@@ -377,6 +382,9 @@ impl TrainConfig {
             }
             (Some(_), Some(_)) => return bad("--model and --init-config exclude each other".into()),
             _ => {}
+        }
+        if self.model.init_tokenizer.is_some() && self.model.init_config.is_none() {
+            return bad("--init-tokenizer goes with --init-config (a model from scratch)".into());
         }
         if self.data.data.is_none() {
             return bad("no training data: pass --data FILE.jsonl (or `data = ...` under [data] in --config)".into());
