@@ -29,5 +29,6 @@ pub use episode::{
 pub use frame::{FrameKind, FrameMap, ResizeBounds};
 pub use parse::{parse_answer, ParseError, Parsed};
 pub use prompt::{
-    episode_samples, render_chatml, step_messages, ChatMessage, Part, PromptConfig, Sample, SampleKind, TaskMode,
+    episode_samples, render_chatml, step_messages, ChatMessage, Part, PromptConfig, Sample, SampleKind, SystemPrompt,
+    TaskMode,
 };

@@ -39,7 +39,27 @@ pub struct PromptConfig {
     /// Include the element list when the step has one.
     #[arg(long, default_value_t = false)]
     pub elements: bool,
+    /// The system prompt: the full action space, or one line (small models trained from scratch).
+    #[arg(long, value_enum, default_value_t = SystemPrompt::Full)]
+    #[serde(default)]
+    pub system_prompt: SystemPrompt,
 }
+
+/// Which system prompt the agent is given. A model must be served with the one it was trained with.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum SystemPrompt {
+    /// Every action with its fields, the frame and when to ask ([`system_prompt`]).
+    #[default]
+    Full,
+    /// One line ([`COMPACT_SYSTEM_PROMPT`]): a model trained from scratch on one app world learns the
+    /// action space from its targets, and the full prompt would be ~80% of each of its sequences.
+    Compact,
+}
+
+/// The [`SystemPrompt::Compact`] text.
+pub const COMPACT_SYSTEM_PROMPT: &str =
+    "GUI agent. Answer with the next action as JSON; ask when the task misses a detail.";
 
 impl Default for PromptConfig {
     fn default() -> Self {
@@ -49,6 +69,7 @@ impl Default for PromptConfig {
             max_pixels: crate::frame::DEFAULT_MAX_PIXELS,
             history_images: 0,
             elements: false,
+            system_prompt: SystemPrompt::Full,
         }
     }
 }
@@ -108,6 +129,16 @@ otherwise act. {coords}"
     )
 }
 
+impl SystemPrompt {
+    /// The system message for the coordinate frame `frame`.
+    pub fn text(self, frame: FrameKind) -> String {
+        match self {
+            SystemPrompt::Full => system_prompt(frame),
+            SystemPrompt::Compact => COMPACT_SYSTEM_PROMPT.to_string(),
+        }
+    }
+}
+
 /// What the agent sees at one step.
 #[derive(Debug, Clone)]
 pub struct StepContext<'a> {
@@ -119,6 +150,7 @@ pub struct StepContext<'a> {
     pub screenshots: Vec<PathBuf>,
     pub elements: Option<&'a [Element]>,
     pub frame: FrameMap,
+    pub system: SystemPrompt,
 }
 
 fn history_text(turns: &[Turn], frame: &FrameMap) -> String {
@@ -172,7 +204,7 @@ pub fn step_messages(ctx: &StepContext) -> Vec<ChatMessage> {
     content.push(Part::Text { text: "Next action?".into() });
 
     let mut msgs = vec![
-        ChatMessage::text("system", system_prompt(ctx.frame.kind), false),
+        ChatMessage::text("system", ctx.system.text(ctx.frame.kind), false),
         ChatMessage { role: "user".into(), content, loss: false },
     ];
     for t in current {
@@ -230,7 +262,14 @@ pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -
         let screenshots = (first..=i).map(|j| ep.image_path(j)).collect();
         let elements = if cfg.elements { step.elements.as_deref() } else { None };
         let mut push = |history: &[Turn], kind: SampleKind, target: &Action| {
-            let ctx = StepContext { task, history, screenshots: Clone::clone(&screenshots), elements, frame };
+            let ctx = StepContext {
+                task,
+                history,
+                screenshots: Clone::clone(&screenshots),
+                elements,
+                frame,
+                system: cfg.system_prompt,
+            };
             let target = frame.action_to_model(target);
             let mut messages = step_messages(&ctx);
             messages.push(ChatMessage::text("assistant", target.render(), true));

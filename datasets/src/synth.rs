@@ -26,6 +26,8 @@ use crate::episode::{write_episodes, Episode, Platform, Screen, Step, StepAsk};
 pub enum SynthError {
     #[error("screen {width}x{height} is too small for the synthetic apps: use at least 160x160")]
     TooSmall { width: u32, height: u32 },
+    #[error("--ambiguous-fraction {0} must be within 0..=1")]
+    Fraction(f64),
     #[error("--split `{0}` must be three non-negative weights like 8:1:1, not all zero")]
     Split(String),
     #[error("{path}: {source}")]
@@ -52,6 +54,9 @@ pub struct SynthArgs {
     /// Weights of the train:val:test split.
     #[arg(long, default_value = "8:1:1")]
     pub split: String,
+    /// Fraction of the episodes whose task leaves out a detail (the rest need no question).
+    #[arg(long, default_value_t = 0.5)]
+    pub ambiguous_fraction: f64,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -351,7 +356,13 @@ fn short_level(level: &str) -> String {
 
 /// The episode `index` of the world with `seed`, drawn at `w x h`; screenshots are written under
 /// `images_dir` (`<id>/<step>.png`) and referenced as `images/<id>/<step>.png`.
-pub fn make_episode(seed: u64, index: usize, w: u32, h: u32, images_dir: &Path) -> Result<Episode, SynthError> {
+pub fn make_episode(
+    seed: u64,
+    index: usize,
+    (w, h): (u32, u32),
+    ambiguous_fraction: f64,
+    images_dir: &Path,
+) -> Result<Episode, SynthError> {
     let mut rng = episode_rng(seed, index);
     let _split_draw: f64 = rng.random(); // first draw is the split (see `split_of`)
     let draft = match rng.random_range(0..4) {
@@ -362,9 +373,9 @@ pub fn make_episode(seed: u64, index: usize, w: u32, h: u32, images_dir: &Path) 
     };
     let full: Vec<String> = draft.details.iter().map(|d| d.0.clone()).collect();
     let task = (draft.template)(&full);
-    // Half ambiguous: remove one detail (two, for some multi-detail tasks).
+    // A fraction (half by default) ambiguous: remove one detail (two, for some multi-detail tasks).
     let mut removed = vec![];
-    if rng.random_bool(0.5) {
+    if rng.random_bool(ambiguous_fraction) {
         let n = if draft.details.len() > 1 && rng.random_bool(0.25) { 2 } else { 1 };
         let mut idx: Vec<usize> = (0..draft.details.len()).collect();
         idx.shuffle(&mut rng);
@@ -429,6 +440,9 @@ pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
     if args.width < 160 || args.height < 160 {
         return Err(SynthError::TooSmall { width: args.width, height: args.height });
     }
+    if !(0.0..=1.0).contains(&args.ambiguous_fraction) {
+        return Err(SynthError::Fraction(args.ambiguous_fraction));
+    }
     let weights = parse_split(&args.split)?;
     let images = args.out.join("images");
     std::fs::create_dir_all(&images).map_err(|source| SynthError::Io { path: images.clone(), source })?;
@@ -439,7 +453,7 @@ pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
     let mut splits: [Vec<Episode>; 3] = Default::default();
     let mut report = SynthReport::default();
     for i in 0..args.episodes {
-        let ep = make_episode(args.seed, i, args.width, args.height, &images)?;
+        let ep = make_episode(args.seed, i, (args.width, args.height), args.ambiguous_fraction, &images)?;
         report.steps += ep.steps.len();
         report.ambiguous += ep.is_ambiguous() as usize;
         splits[split_of(args.seed, i, weights)].push(ep);

@@ -15,7 +15,15 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 fn args(out: &Path, episodes: usize, seed: u64) -> SynthArgs {
-    SynthArgs { out: out.into(), episodes, seed, width: 360, height: 640, split: "8:1:1".into() }
+    SynthArgs {
+        out: out.into(),
+        episodes,
+        seed,
+        width: 360,
+        height: 640,
+        split: "8:1:1".into(),
+        ambiguous_fraction: 0.5,
+    }
 }
 
 #[test]
@@ -91,8 +99,8 @@ fn same_seed_same_world_and_runs_extend() -> anyhow::Result<()> {
         assert_eq!(std::fs::read(a.join(rel))?, std::fs::read(b.join(rel))?, "{rel} differs between runs");
     }
     let other = tmp("det-c");
-    let e = make_episode(4, 0, 360, 640, &other)?;
-    assert_ne!(serde_json::to_string(&e)?, serde_json::to_string(&make_episode(3, 0, 360, 640, &other)?)?);
+    let e = make_episode(4, 0, (360, 640), 0.5, &other)?;
+    assert_ne!(serde_json::to_string(&e)?, serde_json::to_string(&make_episode(3, 0, (360, 640), 0.5, &other)?)?);
     for d in [a, b, other] {
         let _ = std::fs::remove_dir_all(d);
     }
@@ -105,7 +113,7 @@ fn elements_are_drawn_where_the_list_says() -> anyhow::Result<()> {
     let bg = image::Rgb([250u8, 250, 247]);
     let ink = [image::Rgb([28u8, 28, 32]), image::Rgb([255u8, 255, 255])];
     for (i, (w, h)) in [(360, 640), (1080, 2400), (800, 600)].into_iter().enumerate() {
-        let ep = make_episode(11, i, w, h, &dir.join("images"))?;
+        let ep = make_episode(11, i, (w, h), 0.5, &dir.join("images"))?;
         for s in &ep.steps {
             let img = image::open(dir.join(&s.screenshot))?.to_rgb8();
             assert_eq!(img.dimensions(), (w, h));

@@ -30,6 +30,7 @@ fn endpoint_backend_gets_actions_from_the_real_server() {
         model: ckpt,
         adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
         prefix_cache_bytes: cfg.prefix_cache_mb << 20,
+        system_prompt: cfg.system_prompt,
     };
     let factory = Box::new(move || {
         let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&mb)?);

@@ -24,8 +24,16 @@ fn tmp(name: &str) -> PathBuf {
 
 /// Six synthetic episodes (about half ambiguous) at a small screen size.
 fn episodes(dir: &Path) -> PathBuf {
-    synth(&SynthArgs { out: dir.into(), episodes: 6, seed: 5, width: 224, height: 400, split: "1:0:0".into() })
-        .expect("synth");
+    synth(&SynthArgs {
+        out: dir.into(),
+        episodes: 6,
+        seed: 5,
+        width: 224,
+        height: 400,
+        split: "1:0:0".into(),
+        ambiguous_fraction: 0.5,
+    })
+    .expect("synth");
     dir.join("train.jsonl")
 }
 

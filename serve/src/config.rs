@@ -7,6 +7,7 @@
 
 use std::path::PathBuf;
 
+use askgui_data::prompt::SystemPrompt;
 use clap::{Args, Parser, Subcommand};
 use serde::{Serialize, Serializer};
 
@@ -110,6 +111,9 @@ pub struct Config {
     #[arg(long, env = "ASKGUI_SERVE_WORKERS", default_value_t = 0)]
     pub workers: usize,
     /// Serve the deterministic stub backend instead of a model (front-end development, smoke tests).
+    /// The system prompt the model was trained with (`compact`: the demo's models).
+    #[arg(long, env = "ASKGUI_SERVE_SYSTEM_PROMPT", value_enum, default_value_t = SystemPrompt::Full)]
+    pub system_prompt: SystemPrompt,
     #[arg(long, env = "ASKGUI_SERVE_STUB", hide = true)]
     pub stub: bool,
 }

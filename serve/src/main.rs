@@ -26,6 +26,7 @@ fn load_model(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
         model: cfg.model.clone(),
         adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
         prefix_cache_bytes: cfg.prefix_cache_mb << 20,
+        system_prompt: cfg.system_prompt,
     };
     Ok(Box::new(ModelBackend::load(&mb)?))
 }

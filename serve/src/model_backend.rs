@@ -37,7 +37,7 @@ use anyhow::Context;
 use askgui_data::action::ACTION_NAMES;
 use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, FrameInfo, Timings, Usage};
 use askgui_data::frame::FrameKind;
-use askgui_data::prompt::{render_chatml, step_messages, PromptConfig, StepContext, IM_END};
+use askgui_data::prompt::{render_chatml, step_messages, PromptConfig, StepContext, SystemPrompt, IM_END};
 use askgui_model::model::positions_tensor;
 use askgui_model::text::KvCache;
 use askgui_model::{
@@ -64,6 +64,8 @@ pub struct ModelBackendConfig {
     pub adapters: Vec<(String, PathBuf)>,
     /// Bytes of prompt KV caches kept for reuse ([`crate::prefix_cache`]); 0 turns reuse off.
     pub prefix_cache_bytes: usize,
+    /// The system prompt the model was trained with.
+    pub system_prompt: SystemPrompt,
 }
 
 /// The prefix cache's size when nothing says otherwise.
@@ -127,6 +129,7 @@ struct Runner {
 /// Everything a job needs to build its prompt and decode its answer, shared by the job threads.
 struct Decoder {
     cfg: ModelConfig,
+    system_prompt: SystemPrompt,
     image_config: ImageProcessorConfig,
     tokenizer: QwenTokenizer,
     stop_tokens: Vec<u32>,
@@ -167,7 +170,15 @@ impl ModelBackend {
                 .load_adapter(name, dir)
                 .with_context(|| format!("loading adapter `{name}` from {}", dir.display()))?;
         }
-        Ok(Self::from_model(model, &cfg.model)?.with_prefix_cache(cfg.prefix_cache_bytes))
+        Ok(Self::from_model(model, &cfg.model)?
+            .with_prefix_cache(cfg.prefix_cache_bytes)
+            .with_system_prompt(cfg.system_prompt))
+    }
+
+    /// Sets the system prompt of every step's prompt (the one the model was trained with).
+    pub fn with_system_prompt(mut self, system: SystemPrompt) -> Self {
+        self.decoder.system_prompt = system;
+        self
     }
 
     /// Sets the prefix cache's size in bytes (0: no reuse).
@@ -209,6 +220,7 @@ impl ModelBackend {
         let quote_token = tokenizer.encode("\"").context("tokenising a quote")?.first().copied();
         let decoder = Decoder {
             cfg: model.cfg.clone(),
+            system_prompt: SystemPrompt::Full,
             image_config: model.image_config.clone(),
             tokenizer,
             stop_tokens,
@@ -321,6 +333,7 @@ impl Decoder {
             screenshots: shots,
             elements: req.observation.elements.as_deref(),
             frame,
+            system: self.system_prompt,
         };
         let rendered = render_chatml(&step_messages(&ctx), true);
         let merge = ic.geometry.merge_size;

@@ -73,6 +73,7 @@ fn ask_probability_is_the_models_distribution_over_action_names() -> anyhow::Res
         screenshots: vec![PathBuf::from("s")],
         elements: None,
         frame,
+        system: askgui_data::prompt::SystemPrompt::Full,
     };
     let text = askgui_data::prompt::render_chatml(&askgui_data::prompt::step_messages(&ctx), true).text;
     let mut ids = tok.encode_prompt(&text, &[img.num_tokens(model.image_config.geometry.merge_size)])?;

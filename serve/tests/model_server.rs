@@ -34,6 +34,7 @@ fn server() -> ServerHandle {
         model: ckpt,
         adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
         prefix_cache_bytes: cfg.prefix_cache_mb << 20,
+        system_prompt: cfg.system_prompt,
     };
     let factory = Box::new(move || {
         let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&backend_cfg)?);

@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use askgui_data::{FrameKind, TaskMode};
+use askgui_data::{FrameKind, SystemPrompt, TaskMode};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
@@ -72,6 +72,11 @@ pub struct ModelArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub init_config: Option<PathBuf>,
+    /// With --init-config: the tokenizer.json of the new model instead of the byte-level one; it must
+    /// keep the byte-level ids of the special tokens (as [`crate::bpe`]'s learned tokenizers do).
+    #[arg(long, requires = "init_config")]
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub init_tokenizer: Option<PathBuf>,
     /// Where to train: `auto` takes the first CUDA GPU when the binary is built with `--features cuda`
     /// and one is present (bf16 weights, f32 LoRA masters), else the CPU (f32).
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
@@ -124,6 +129,11 @@ pub struct DataArgs {
     /// Include the element list when a step has one.
     #[arg(long, default_value_t = false)]
     pub elements: bool,
+    /// The system prompt (`compact`: one line, for small models trained from scratch; serve and eval
+    /// must then be given the same).
+    #[arg(long, value_enum, default_value_t = SystemPrompt::Full)]
+    #[serde(default)]
+    pub system_prompt: SystemPrompt,
     /// Context length in tokens: longer samples lose their oldest history until they fit.
     #[arg(long, default_value_t = 8192)]
     pub max_seq_len: usize,
@@ -387,6 +397,9 @@ impl TrainConfig {
             }
             (Some(_), Some(_)) => return bad("--model and --init-config exclude each other".into()),
             _ => {}
+        }
+        if self.model.init_tokenizer.is_some() && self.model.init_config.is_none() {
+            return bad("--init-tokenizer goes with --init-config (a model from scratch)".into());
         }
         if self.data.data.is_none() {
             return bad("no training data: pass --data FILE.jsonl (or `data = ...` under [data] in --config)".into());

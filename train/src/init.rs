@@ -26,19 +26,23 @@ const SIDE_FILES: [&str; 5] =
     ["config.json", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "generation_config.json"];
 
 /// Writes a random checkpoint for `config_json` (config.json text) into `out` (created): config.json,
-/// model.safetensors, the byte-level tokenizer, a preprocessor_config.json with the given pixel bounds and
-/// a generation_config.json with the config's end-of-sequence ids.
+/// model.safetensors, the tokenizer (`tokenizer_json`, or the byte-level one), a preprocessor_config.json
+/// with the given pixel bounds and a generation_config.json with the config's end-of-sequence ids.
 pub fn write_random_model(
     config_json: &str,
+    tokenizer_json: Option<&str>,
     out: &Path,
     seed: u64,
-    min_pixels: usize,
-    max_pixels: usize,
+    (min_pixels, max_pixels): (usize, usize),
 ) -> Result<()> {
     let cfg = ModelConfig::from_json_str(config_json, &out.join("config.json"))?;
-    if cfg.text.vocab_size < 264 || cfg.image_token_id != 262 || cfg.vision_start_token_id != 259 {
+    let tokenizer_json = tokenizer_json.unwrap_or(TOKENIZER_JSON);
+    let vocab = tokenizers::Tokenizer::from_bytes(tokenizer_json.as_bytes())
+        .map_err(|e| TrainError::Config(format!("--init-tokenizer: {e}")))?
+        .get_vocab_size(true);
+    if cfg.text.vocab_size < vocab || cfg.image_token_id != 262 || cfg.vision_start_token_id != 259 {
         return Err(TrainError::Config(format!(
-            "--init-config: the byte-level tokenizer needs vocab_size >= 264, image_token_id 262 and \
+            "--init-config: the tokenizer needs vocab_size >= {vocab}, image_token_id 262 and \
              vision_start_token_id 259; the config has {}, {} and {}",
             cfg.text.vocab_size, cfg.image_token_id, cfg.vision_start_token_id
         )));
@@ -55,7 +59,7 @@ pub fn write_random_model(
     let pretty = |v: &serde_json::Value| serde_json::to_string_pretty(v).expect("json");
     for (name, text) in [
         ("config.json", config_json.to_string()),
-        ("tokenizer.json", TOKENIZER_JSON.to_string()),
+        ("tokenizer.json", tokenizer_json.to_string()),
         ("tokenizer_config.json", TOKENIZER_CONFIG_JSON.to_string()),
         ("preprocessor_config.json", pretty(&preprocessor)),
         ("generation_config.json", pretty(&generation)),
@@ -85,11 +89,15 @@ pub fn save_model(model: &Qwen2Vl, out: &Path) -> Result<()> {
 /// one) with `--seed` and the pixel bounds of `cfg`, and returns the folder.
 pub(crate) fn init_model_dir(cfg: &TrainConfig, config: &Path) -> Result<String> {
     let text = std::fs::read_to_string(config).map_err(io(config))?;
+    let tokenizer = match &cfg.model.init_tokenizer {
+        Some(p) => Some(std::fs::read_to_string(p).map_err(io(p))?),
+        None => None,
+    };
     let dir = cfg.run.output_dir.join("init-model");
     let d = &cfg.data;
     let min = if d.min_pixels > 0 { d.min_pixels } else { 3136 };
     let max = if d.max_pixels > 0 { d.max_pixels } else { 1_003_520 };
-    write_random_model(&text, &dir, cfg.run.seed, min, max)?;
+    write_random_model(&text, tokenizer.as_deref(), &dir, cfg.run.seed, (min, max))?;
     tracing::info!("random initialisation of {} written to {}", config.display(), dir.display());
     Ok(dir.to_string_lossy().into_owned())
 }
@@ -125,7 +133,7 @@ mod tests {
     fn random_model_loads_and_round_trips() -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("askgui-init-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        write_random_model(DEMO_CONFIG, &dir, 3, 3136, 50176)?;
+        write_random_model(DEMO_CONFIG, None, &dir, 3, (3136, 50176))?;
         let model = Qwen2Vl::load(dir.to_str().unwrap(), &Device::Cpu, DType::F32)?;
         assert_eq!(model.image_config.max_pixels, 50176);
         let written = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)?;
@@ -154,7 +162,7 @@ mod tests {
     fn refuses_a_config_for_another_tokenizer() {
         let cfg = DEMO_CONFIG.replace("\"image_token_id\": 262", "\"image_token_id\": 151655");
         let dir = std::env::temp_dir().join(format!("askgui-init-bad-{}", std::process::id()));
-        let err = write_random_model(&cfg, &dir, 0, 3136, 50176).unwrap_err().to_string();
+        let err = write_random_model(&cfg, None, &dir, 0, (3136, 50176)).unwrap_err().to_string();
         assert!(err.contains("image_token_id 262"), "{err}");
     }
 }

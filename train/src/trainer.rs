@@ -183,6 +183,7 @@ fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
             max_pixels: ic.max_pixels,
             history_images: d.history_images,
             elements: d.elements,
+            system_prompt: d.system_prompt,
         },
         task_mode: d.task_mode,
         history_length: d.history_length,

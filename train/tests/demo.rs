@@ -15,6 +15,9 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         width: 160,
         height: 160,
         max_pixels: 12_544,
+        ambiguous_fraction: 0.5,
+        model_config: None,
+        vocab_size: 300,
         base_steps: 2,
         base_lr: 1e-3,
         lora_steps: 2,
@@ -44,11 +47,23 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
     }
     let names: Vec<&str> = json["checks"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
     assert_eq!(names.len(), 7, "{names:?}");
-    for k in ["all_met", "timings_s", "total_s", "test_episodes", "train_final_loss", "lora_final_loss"] {
+    for k in [
+        "all_met",
+        "timings_s",
+        "total_s",
+        "test_episodes",
+        "train_final_loss",
+        "lora_final_loss",
+        "base_model",
+        "adapter",
+    ] {
         assert!(json.get(k).is_some(), "report.json lacks {k}");
     }
     assert!(!report.all_met, "a two-step toy run cannot meet the demo's targets");
-    assert!(std::fs::read_to_string(out.join("report.md"))?.contains("Dual-Stream"));
+    let md = std::fs::read_to_string(out.join("report.md"))?;
+    assert!(md.contains("Dual-Stream") && md.contains("--system-prompt compact"), "{md}");
+    // The learned tokenizer went into the model folders, so serve and eval load it like any other.
+    assert!(out.join("tokenizer.json").exists() && report.base_model.join("tokenizer.json").exists());
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }

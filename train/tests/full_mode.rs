@@ -14,7 +14,15 @@ fn full_training_from_scratch_writes_a_loadable_model() -> anyhow::Result<()> {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("askgui-train-full");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
-    synth(&SynthArgs { out: dir.clone(), episodes: 1, seed: 11, width: 224, height: 400, split: "1:0:0".into() })?;
+    synth(&SynthArgs {
+        out: dir.clone(),
+        episodes: 1,
+        seed: 11,
+        width: 224,
+        height: 400,
+        split: "1:0:0".into(),
+        ambiguous_fraction: 0.5,
+    })?;
     // The test fixture's small config (its special-token ids are the byte-level tokenizer's).
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl/config.json");
     let out = dir.join("run");

@@ -26,8 +26,16 @@ fn scratch(name: &str) -> PathBuf {
 
 /// Three synthetic episodes (tiny screens) in `dir/train.jsonl`, used as training and validation data.
 fn episodes(dir: &Path) -> PathBuf {
-    synth(&SynthArgs { out: dir.into(), episodes: 3, seed: 3, width: 224, height: 400, split: "1:0:0".into() })
-        .expect("synth");
+    synth(&SynthArgs {
+        out: dir.into(),
+        episodes: 3,
+        seed: 3,
+        width: 224,
+        height: 400,
+        split: "1:0:0".into(),
+        ambiguous_fraction: 0.5,
+    })
+    .expect("synth");
     dir.join("train.jsonl")
 }
 

@@ -33,8 +33,16 @@ fn scratch(name: &str) -> PathBuf {
 
 /// `episodes` synthetic episodes (train split only) in `dir`; returns the JSONL path.
 fn episodes(dir: &Path, episodes: usize) -> PathBuf {
-    synth(&SynthArgs { out: dir.into(), episodes, seed: 11, width: 224, height: 400, split: "1:0:0".into() })
-        .expect("synth");
+    synth(&SynthArgs {
+        out: dir.into(),
+        episodes,
+        seed: 11,
+        width: 224,
+        height: 400,
+        split: "1:0:0".into(),
+        ambiguous_fraction: 0.5,
+    })
+    .expect("synth");
     dir.join("train.jsonl")
 }
 

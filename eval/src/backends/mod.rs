@@ -10,6 +10,7 @@
 mod endpoint;
 mod http;
 pub mod inprocess;
+mod memo;
 pub mod openai;
 
 use std::path::PathBuf;
@@ -22,6 +23,7 @@ use crate::agent::{Agent, AgentError, Prediction, StepInput};
 
 pub use endpoint::{EndpointAgent, EndpointConfig};
 pub use inprocess::InProcessAgent;
+pub use memo::MemoAgent;
 pub use openai::{OpenAiAgent, OpenAiConfig};
 
 /// Which agent to evaluate, and how to prompt it.
@@ -149,7 +151,14 @@ pub(crate) fn messages_for(
     screenshots: Vec<PathBuf>,
 ) -> Vec<ChatMessage> {
     let elements = if cfg.elements { input.elements.as_deref() } else { None };
-    let ctx = StepContext { task: &input.task, history: &input.history, screenshots, elements, frame };
+    let ctx = StepContext {
+        task: &input.task,
+        history: &input.history,
+        screenshots,
+        elements,
+        frame,
+        system: cfg.system_prompt,
+    };
     askgui_data::step_messages(&ctx)
 }
 
