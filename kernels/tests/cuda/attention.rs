@@ -164,7 +164,9 @@ fn compare(label: &str, got: &Tensor, want: &Tensor, tol: Tol) -> Result<Option<
     let (mut bad, mut first_bad, mut err2, mut ref2, mut max_ref) = (0usize, None, 0f64, 0f64, 0f64);
     for (i, (&x, &y)) in g.iter().zip(&w).enumerate() {
         let e = (x - y).abs();
-        if !(e <= tol.atol + tol.rtol * y.abs()) {
+        // Written so that NaN (in either side) counts as out of tolerance.
+        let within = e <= tol.atol + tol.rtol * y.abs();
+        if !within {
             bad += 1;
             first_bad.get_or_insert(i);
         }
