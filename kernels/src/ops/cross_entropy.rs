@@ -13,7 +13,7 @@
 //! into dlogits: the (N, V) probabilities are never materialised. Labels and mask (N elements) are copied
 //! to the host once per forward to validate supervised labels and count them, as the CPU op does.
 //! Tests: `cargo test -p askgui-kernels --test grad_ops`; on a GPU `cargo test -p askgui-kernels
-//! --features cuda --test cuda -- cross_entropy`.
+//! --features cuda --test cuda -- norm_rope_ce::cross_entropy`.
 
 use super::{contiguous_slice, dtype_mismatch, dtype_name};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};

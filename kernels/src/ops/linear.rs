@@ -8,7 +8,7 @@
 //! CUDA (feature `cuda`): candle's own cuBLAS GEMM on the storages (`BackendStorage::matmul` with `w` read
 //! transposed through its strides, no copy), f32 or bf16; the backward is candle's matmul, on the GPU too.
 //! Tests: `cargo test -p askgui-kernels --test grad_ops`; on a GPU `cargo test -p askgui-kernels
-//! --features cuda --test cuda -- frozen_linear`.
+//! --features cuda --test cuda -- norm_rope_ce::frozen_linear`.
 
 use super::gemm::{matmul, View};
 use super::{contiguous_slice, dtype_name};

@@ -9,7 +9,7 @@
 //! row; the backward's parameter gradients are per-block partial column sums reduced in a fixed order
 //! (deterministic, no atomics). The backward is the same [`NormBwd`] op, so it runs on the GPU too.
 //! Tests: `cargo test -p askgui-kernels --test grad_ops`; on a GPU `cargo test -p askgui-kernels
-//! --features cuda --test cuda -- norm`.
+//! --features cuda --test cuda -- norm_rope_ce::norms`.
 
 use super::{contiguous_slice, dtype_mismatch, dtype_name};
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};

@@ -37,7 +37,7 @@
 //! in f32, one thread per pair; the tables are read through their broadcast strides, passed by value
 //! (size-1 dims dropped, mergeable neighbours merged, at most 6 leading dims left). The backward is the
 //! same op in the transpose direction, so it runs on the GPU too. GPU tests:
-//! `cargo test -p askgui-kernels --features cuda --test cuda -- rope`.
+//! `cargo test -p askgui-kernels --features cuda --test cuda -- norm_rope_ce::rope`.
 
 use super::dtype_mismatch;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
