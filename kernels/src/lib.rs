@@ -7,7 +7,8 @@
 //! - [`attention`]: scaled dot-product attention with causal / block-diagonal masks, key padding and GQA.
 //! - [`norm`]: RMSNorm and LayerNorm.
 //! - [`rope`]: rotary embeddings, the multimodal M-RoPE of Qwen2-VL and the 2D rotary of its vision tower.
-//! - [`tiling`]: Qwen2-VL image preprocessing (smart_resize, bicubic antialiased resize, normalise, patchify).
+//! - [`tiling`]: Qwen2-VL image preprocessing (smart_resize, bicubic antialiased resize, normalise, patchify),
+//!   batched; with the `cuda` feature also on the GPU (`tiling::cuda`), bit-exact with the CPU path.
 
 pub mod attention;
 #[cfg(feature = "cuda")]

@@ -2,17 +2,23 @@
 //! resize, rescale + normalise, patchify, `image_grid_thw`. The arithmetic is the CPU tiling reference in
 //! askgui-kernels; this file adds configuration, decoding, limits and the resize factors that the
 //! coordinate contract needs (a point in the resized image is the screen point times the factors).
+//!
+//! [`preprocess_batch`] does a whole batch for a device: on a CUDA device (feature `cuda`) it runs the GPU
+//! tiling kernels (`askgui_kernels::tiling::cuda`, bit-exact with the CPU path), elsewhere the CPU path,
+//! and logs once which one it uses.
 
 use std::path::Path;
 
-use askgui_kernels::tiling::{normalize_patchify_reference, resize_bicubic_reference, PatchGeometry};
+use askgui_kernels::tiling::{
+    normalize_patchify_reference, resize_bicubic_reference, PatchGeometry, TilingConfig, TilingError,
+};
 use candle_core::{Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
 /// CLIP normalisation used by every Qwen2-VL / Qwen2.5-VL checkpoint.
-pub const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
-pub const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
+pub const CLIP_MEAN: [f32; 3] = askgui_kernels::tiling::CLIP_MEAN;
+pub const CLIP_STD: [f32; 3] = askgui_kernels::tiling::CLIP_STD;
 
 /// Preprocessing settings; defaults are transformers' class defaults.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +51,17 @@ impl Default for ImageProcessorConfig {
 }
 
 impl ImageProcessorConfig {
+    /// The settings the tiling kernels take.
+    pub fn tiling(&self) -> TilingConfig {
+        TilingConfig {
+            min_pixels: self.min_pixels,
+            max_pixels: self.max_pixels,
+            geometry: self.geometry,
+            mean: self.image_mean,
+            std: self.image_std,
+        }
+    }
+
     /// Reads `preprocessor_config.json` (`min_pixels`/`max_pixels` or `size.shortest_edge/longest_edge`).
     pub fn from_file(path: &Path) -> Result<Self> {
         let err = |reason: String| ModelError::Config { path: path.to_path_buf(), reason };
@@ -135,15 +152,21 @@ pub fn load_image(path: &Path, max_input_pixels: usize) -> Result<image::RgbImag
     Ok(img.to_rgb8())
 }
 
-/// Preprocesses an RGB image the way `Qwen2VLImageProcessor` does.
-pub fn preprocess(img: &image::RgbImage, cfg: &ImageProcessorConfig) -> Result<ProcessedImage> {
-    let (w, h) = (img.width() as usize, img.height() as usize);
+/// The input limits of the processor (before any resizing).
+fn check_limits(w: usize, h: usize, cfg: &ImageProcessorConfig) -> Result<()> {
     if w * h > cfg.max_input_pixels {
         return Err(ModelError::ImageTooLarge { width: w, height: h, pixels: w * h, limit: cfg.max_input_pixels });
     }
     if w.min(h) < cfg.min_side {
         return Err(ModelError::ImageTooSmall { width: w, height: h, min_side: cfg.min_side });
     }
+    Ok(())
+}
+
+/// Preprocesses an RGB image the way `Qwen2VLImageProcessor` does.
+pub fn preprocess(img: &image::RgbImage, cfg: &ImageProcessorConfig) -> Result<ProcessedImage> {
+    let (w, h) = (img.width() as usize, img.height() as usize);
+    check_limits(w, h, cfg)?;
     let tiling = |source| ModelError::Tiling { width: w, height: h, source };
     let (nh, nw) =
         askgui_kernels::smart_resize(h, w, cfg.geometry.factor(), cfg.min_pixels, cfg.max_pixels).map_err(tiling)?;
@@ -151,4 +174,110 @@ pub fn preprocess(img: &image::RgbImage, cfg: &ImageProcessorConfig) -> Result<P
     let (pixel_values, (gh, gw)) =
         normalize_patchify_reference(&resized, nw, nh, cfg.geometry, cfg.image_mean, cfg.image_std).map_err(tiling)?;
     Ok(ProcessedImage { pixel_values, grid_thw: [1, gh, gw], original: (w, h), resized: (nw, nh) })
+}
+
+/// A preprocessed batch, `pixel_values` already on the target device.
+#[derive(Debug, Clone)]
+pub struct PreprocessedBatch {
+    /// `(sum of t * h * w, 3 * temporal * patch * patch)` f32, images in batch order.
+    pub pixel_values: Tensor,
+    /// `[t, h, w]` in patches, per image.
+    pub grid_thw: Vec<[usize; 3]>,
+    /// Original and resized `(width, height)` per image (see [`ProcessedImage::resize_factors`]).
+    pub original: Vec<(usize, usize)>,
+    pub resized: Vec<(usize, usize)>,
+}
+
+static LOG_GPU_PATH: std::sync::Once = std::sync::Once::new();
+static LOG_CPU_PATH: std::sync::Once = std::sync::Once::new();
+
+/// Preprocesses a batch for `device`: with the GPU tiling kernels on a CUDA device (feature `cuda`), else
+/// with the CPU path ([`preprocess`] per image). Both give the same values and the same errors.
+pub fn preprocess_batch(
+    imgs: &[&image::RgbImage],
+    cfg: &ImageProcessorConfig,
+    device: &Device,
+) -> Result<PreprocessedBatch> {
+    let original: Vec<(usize, usize)> = imgs.iter().map(|i| (i.width() as usize, i.height() as usize)).collect();
+    for &(w, h) in &original {
+        check_limits(w, h, cfg)?;
+    }
+    let (pixel_values, grid_thw) = match tile_on_gpu(imgs, &original, cfg, device)? {
+        Some(done) => {
+            LOG_GPU_PATH.call_once(|| tracing::info!(?device, "image preprocessing: GPU tiling kernels"));
+            done
+        }
+        None => {
+            LOG_CPU_PATH.call_once(|| tracing::info!(?device, "image preprocessing: CPU path"));
+            if imgs.is_empty() {
+                return Err(ModelError::Tiling { width: 0, height: 0, source: TilingError::EmptyBatch });
+            }
+            let done: Vec<ProcessedImage> = imgs.iter().map(|i| preprocess(i, cfg)).collect::<Result<_>>()?;
+            let rows = done.iter().map(|p| p.grid_thw.iter().product::<usize>()).sum::<usize>();
+            let values: Vec<f32> = done.iter().flat_map(|p| p.pixel_values.iter().copied()).collect();
+            let pv = Tensor::from_vec(values, (rows, cfg.geometry.patch_dim()), device)?;
+            (pv, done.iter().map(|p| p.grid_thw).collect())
+        }
+    };
+    let p = cfg.geometry.patch_size;
+    let resized = grid_thw.iter().map(|g| (g[2] * p, g[1] * p)).collect();
+    Ok(PreprocessedBatch { pixel_values, grid_thw, original, resized })
+}
+
+/// The GPU path where `device` is a CUDA device, `None` elsewhere.
+#[cfg(feature = "cuda")]
+fn tile_on_gpu(
+    imgs: &[&image::RgbImage],
+    original: &[(usize, usize)],
+    cfg: &ImageProcessorConfig,
+    device: &Device,
+) -> Result<Option<(Tensor, Vec<[usize; 3]>)>> {
+    use askgui_kernels::tiling::{cuda::tile_batch_cuda, ImageRef};
+    if !device.is_cuda() {
+        return Ok(None);
+    }
+    let refs: Vec<ImageRef> =
+        imgs.iter().zip(original).map(|(i, &(width, height))| ImageRef { rgb: i.as_raw(), width, height }).collect();
+    let done = tile_batch_cuda(device, &refs, &cfg.tiling(), candle_core::DType::F32).map_err(|e| match e {
+        TilingError::InBatch { index, source } => {
+            let (width, height) = original[index];
+            ModelError::Tiling { width, height, source: *source }
+        }
+        other => ModelError::Tiling { width: 0, height: 0, source: other },
+    })?;
+    Ok(Some(done))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn tile_on_gpu(
+    _imgs: &[&image::RgbImage],
+    _original: &[(usize, usize)],
+    _cfg: &ImageProcessorConfig,
+    _device: &Device,
+) -> Result<Option<(Tensor, Vec<[usize; 3]>)>> {
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_equals_single_images_on_cpu() -> Result<()> {
+        let imgs: Vec<image::RgbImage> = [(29u32, 31u32), (100, 57)]
+            .iter()
+            .map(|&(w, h)| {
+                image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x * 7) as u8, (y * 5) as u8, ((x + y) * 3) as u8]))
+            })
+            .collect();
+        let cfg = ImageProcessorConfig::default();
+        let batch = preprocess_batch(&imgs.iter().collect::<Vec<_>>(), &cfg, &Device::Cpu)?;
+        let single: Vec<ProcessedImage> = imgs.iter().map(|i| preprocess(i, &cfg)).collect::<Result<_>>()?;
+        let want: Vec<f32> = single.iter().flat_map(|p| p.pixel_values.clone()).collect();
+        assert_eq!(batch.pixel_values.flatten_all()?.to_vec1::<f32>()?, want);
+        assert_eq!(batch.grid_thw, single.iter().map(|p| p.grid_thw).collect::<Vec<_>>());
+        assert_eq!(batch.resized, single.iter().map(|p| p.resized).collect::<Vec<_>>());
+        assert!(matches!(preprocess_batch(&[], &cfg, &Device::Cpu), Err(ModelError::Tiling { .. })));
+        Ok(())
+    }
 }

@@ -28,7 +28,7 @@ pub use checkpoint::{CheckpointFiles, Weights};
 pub use config::{Arch, ModelConfig};
 pub use error::{ModelError, Result};
 pub use generate::{generate, FinishReason, Generation, Prompt, SamplingParams, Timings};
-pub use image::{load_image, preprocess, ImageProcessorConfig, ProcessedImage};
+pub use image::{load_image, preprocess, preprocess_batch, ImageProcessorConfig, PreprocessedBatch, ProcessedImage};
 pub use lora::{AdapterLayout, LoraConfig};
 pub use model::{mrope_positions, Qwen2Vl};
 pub use train::{master_dtype, StepOptions, StepOutput, TrainExample};
