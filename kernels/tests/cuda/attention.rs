@@ -22,14 +22,38 @@
 //! (or the prebuilt test executable with the filter `attention`). Without a device the tests print
 //! SKIPPED and pass.
 
-#[path = "../common/mod.rs"]
-mod common;
-
 use anyhow::{bail, ensure, Result};
 use askgui_kernels::ops::attention;
 use askgui_kernels::AttentionMask;
 use candle_core::{DType, Device, Tensor, Var};
 use std::time::Instant;
+
+/// Seeded inputs and flattening, as in `tests/common` (not shared by `mod`: the test executable's other
+/// modules load that file too, and clippy refuses a file loaded twice).
+mod common {
+    use anyhow::Result;
+    use candle_core::{DType, Device, Tensor};
+
+    /// Deterministic uniform values in [-1, 1) (a 64-bit LCG): the same numbers on every machine.
+    fn uniform(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// A CPU tensor of `uniform` values, made in f64 and converted to `dtype`.
+    pub fn tensor(dims: &[usize], seed: u64, dtype: DType) -> Result<Tensor> {
+        Ok(Tensor::from_vec(uniform(dims.iter().product(), seed), dims, &Device::Cpu)?.to_dtype(dtype)?)
+    }
+
+    pub fn flat(t: &Tensor) -> Result<Vec<f64>> {
+        Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+    }
+}
 
 /// `|got - want| <= atol + rtol * |want|`, per element.
 #[derive(Clone, Copy, Debug)]
