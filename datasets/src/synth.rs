@@ -14,6 +14,7 @@
 
 use std::path::{Path, PathBuf};
 
+use image::Rgb;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
 use thiserror::Error;
@@ -57,6 +58,9 @@ pub struct SynthArgs {
     /// Fraction of the episodes whose task leaves out a detail (the rest need no question).
     #[arg(long, default_value_t = 0.5)]
     pub ambiguous_fraction: f64,
+    /// Draw each list row and home-screen icon in the colour of its slot (see [`Look::slot_colors`]).
+    #[arg(long)]
+    pub slot_colors: bool,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -87,14 +91,57 @@ struct TaskDraft {
 
 const APPS: [&str; 4] = ["Shop", "Booking", "Contacts", "Settings"];
 
+/// Slot colours of `--slot-colors`: list row `i` and home-screen icon `i` are drawn in colour `i`.
+const ROW_COLORS: [Rgb<u8>; 6] = [
+    Rgb([255, 212, 212]),
+    Rgb([208, 228, 255]),
+    Rgb([214, 244, 206]),
+    Rgb([255, 238, 190]),
+    Rgb([232, 214, 255]),
+    Rgb([204, 242, 238]),
+];
+const ICON_COLORS: [Rgb<u8>; 4] = [Rgb([196, 56, 56]), Rgb([40, 96, 196]), Rgb([28, 132, 64]), Rgb([176, 112, 16])];
+
+/// How screens are drawn: their size, and whether list rows and icons carry slot colours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Look {
+    pub width: u32,
+    pub height: u32,
+    /// Each slot (list row, home-screen icon) in a colour of its own, the same colour for the same slot on
+    /// every screen: a cue of *where* a label is that a model with no notion of absolute position (patch
+    /// features under RoPE carry none) can read in one glance. The labels still decide which slot to tap.
+    pub slot_colors: bool,
+}
+
+impl From<(u32, u32)> for Look {
+    fn from((width, height): (u32, u32)) -> Self {
+        Self { width, height, slot_colors: false }
+    }
+}
+
+impl Look {
+    fn canvas(&self) -> Canvas {
+        Canvas::new(self.width, self.height)
+    }
+
+    /// The fill of slot `i`: its own colour with `--slot-colors`, else the plain `base`.
+    fn slot_color(&self, i: usize, base: Rgb<u8>, palette: &[Rgb<u8>]) -> Rgb<u8> {
+        if self.slot_colors {
+            palette[i % palette.len()]
+        } else {
+            base
+        }
+    }
+}
+
 fn click(c: &Canvas, id: &str) -> Action {
     let (x, y) = c.element(id).center();
     Action::Click(Target { x: Some(x), y: Some(y), element: Some(id.to_string()) })
 }
 
 /// The home screen with the four apps in a shuffled 2x2 grid; returns the step that opens `app`.
-fn home(w: u32, h: u32, app: &str, rng: &mut impl Rng) -> Draft {
-    let mut c = Canvas::new(w, h);
+fn home(look: Look, app: &str, rng: &mut impl Rng) -> Draft {
+    let mut c = look.canvas();
     c.header("Home");
     let mut apps = APPS;
     apps.shuffle(rng);
@@ -105,7 +152,8 @@ fn home(w: u32, h: u32, app: &str, rng: &mut impl Rng) -> Draft {
         let (col, row) = ((i % 2) as i32, (i / 2) as i32);
         let x1 = cw / 4 + col * cw / 2 - size / 2;
         let y1 = ch / 4 + row * (size + ch / 10);
-        let id = c.widget("icon", [x1, y1, x1 + size, y1 + size], name, ACCENT, WHITE, true);
+        let bg = look.slot_color(i, ACCENT, &ICON_COLORS);
+        let id = c.widget("icon", [x1, y1, x1 + size, y1 + size], name, bg, WHITE, true);
         if *name == app {
             target = id;
         }
@@ -120,12 +168,12 @@ fn home(w: u32, h: u32, app: &str, rng: &mut impl Rng) -> Draft {
 }
 
 /// A list screen of `options`; the step clicks `pick`.
-fn list(w: u32, h: u32, title: &str, options: &[String], pick: &str) -> (Canvas, Action) {
-    let mut c = Canvas::new(w, h);
+fn list(look: Look, title: &str, options: &[String], pick: &str) -> (Canvas, Action) {
+    let mut c = look.canvas();
     c.header(title);
     let mut target = String::new();
     for (i, o) in options.iter().enumerate() {
-        let id = c.widget("button", c.row_box(i), o, ROW, INK, false);
+        let id = c.widget("button", c.row_box(i), o, look.slot_color(i, ROW, &ROW_COLORS), INK, false);
         if o == pick {
             target = id;
         }
@@ -136,8 +184,8 @@ fn list(w: u32, h: u32, title: &str, options: &[String], pick: &str) -> (Canvas,
 
 /// An informative list step: choosing `pick` among `options`, with the question to ask if the task
 /// does not say which.
-fn choice(w: u32, h: u32, title: &str, options: &[String], pick: &str, question: &str, answer: String) -> Draft {
-    let (canvas, action) = list(w, h, title, options, pick);
+fn choice(look: Look, title: &str, options: &[String], pick: &str, question: &str, answer: String) -> Draft {
+    let (canvas, action) = list(look, title, options, pick);
     Draft {
         canvas,
         action,
@@ -161,8 +209,8 @@ fn or_list(options: &[String]) -> String {
 }
 
 /// A screen with a message and one button; the step clicks the button (or is `done` when `button` is None).
-fn confirm(w: u32, h: u32, title: &str, lines: &[String], button: Option<&str>) -> Draft {
-    let mut c = Canvas::new(w, h);
+fn confirm(look: Look, title: &str, lines: &[String], button: Option<&str>) -> Draft {
+    let mut c = look.canvas();
     c.header(title);
     for (i, l) in lines.iter().enumerate() {
         let [x1, y1, x2, y2] = c.row_box(i);
@@ -186,7 +234,7 @@ fn pick_n<'a>(pool: &'a [&'a str], n: usize, rng: &mut impl Rng) -> Vec<String> 
     v
 }
 
-fn shop(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
+fn shop(look: Look, rng: &mut impl Rng) -> TaskDraft {
     const CATEGORIES: [(&str, &str, &[&str]); 4] = [
         ("Milk", "milk", &["Oat milk", "Almond milk", "Soy milk", "Whole milk", "Skim milk", "Goat milk"]),
         ("Coffee", "coffee", &["Espresso beans", "Decaf beans", "Ground coffee", "Instant coffee", "Cold brew"]),
@@ -199,13 +247,13 @@ fn shop(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
     let price = format!("${}.{:02}", rng.random_range(1..9), rng.random_range(0..100));
     let mut cats: Vec<String> = CATEGORIES.iter().map(|c| c.0.to_string()).collect();
     cats.shuffle(rng);
-    let (c1, a1) = list(w, h, "Shop", &cats, cat);
+    let (c1, a1) = list(look, "Shop", &cats, cat);
     let steps = vec![
-        home(w, h, "Shop", rng),
+        home(look, "Shop", rng),
         Draft { canvas: c1, action: a1, informative: false, instruction: format!("Open the {cat} aisle"), ask: None },
-        choice(w, h, cat, &options, &pick, &format!("Which {noun} would you like:"), format!("{pick}, please.")),
-        confirm(w, h, &pick, &[format!("Price {price}"), "In stock".into()], Some("Add to cart")),
-        confirm(w, h, "Cart", &[format!("{pick} added"), format!("Total {price}")], None),
+        choice(look, cat, &options, &pick, &format!("Which {noun} would you like:"), format!("{pick}, please.")),
+        confirm(look, &pick, &[format!("Price {price}"), "In stock".into()], Some("Add to cart")),
+        confirm(look, "Cart", &[format!("{pick} added"), format!("Total {price}")], None),
     ];
     TaskDraft {
         steps,
@@ -214,7 +262,7 @@ fn shop(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
     }
 }
 
-fn booking(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
+fn booking(look: Look, rng: &mut impl Rng) -> TaskDraft {
     const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     const TIMES: [&str; 8] = ["12:00", "12:30", "13:00", "18:00", "18:30", "19:00", "19:30", "20:00"];
     const PEOPLE: [&str; 6] = ["1 person", "2 people", "3 people", "4 people", "5 people", "6 people"];
@@ -227,12 +275,12 @@ fn booking(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
         people.choose(rng).expect("4").clone(),
     );
     let steps = vec![
-        home(w, h, "Booking", rng),
-        choice(w, h, "Pick a day", &days, &day, "Which day would you like:", format!("On {day}.")),
-        choice(w, h, "Pick a time", &times, &time, "What time would you like:", format!("At {time}.")),
-        choice(w, h, "Party size", &people, &size, "For how many:", format!("For {size}.")),
-        confirm(w, h, "Confirm", &[day.clone(), time.clone(), size.clone()], Some("Confirm")),
-        confirm(w, h, "Booked", &["Table booked".into(), format!("{day} {time}")], None),
+        home(look, "Booking", rng),
+        choice(look, "Pick a day", &days, &day, "Which day would you like:", format!("On {day}.")),
+        choice(look, "Pick a time", &times, &time, "What time would you like:", format!("At {time}.")),
+        choice(look, "Party size", &people, &size, "For how many:", format!("For {size}.")),
+        confirm(look, "Confirm", &[day.clone(), time.clone(), size.clone()], Some("Confirm")),
+        confirm(look, "Booked", &["Table booked".into(), format!("{day} {time}")], None),
     ];
     TaskDraft {
         steps,
@@ -245,7 +293,7 @@ fn booking(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
     }
 }
 
-fn contacts(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
+fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
     const FIRST: [&str; 6] = ["Alice", "Bob", "Carol", "Dan", "Eve", "Frank"];
     const LAST: [&str; 8] = ["Smith", "Jones", "Lee", "Brown", "Garcia", "Khan", "Novak", "Silva"];
     const MESSAGES: [&str; 6] =
@@ -261,25 +309,28 @@ fn contacts(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
     names.shuffle(rng);
     let full = names.iter().find(|n| n.starts_with(&format!("{first} "))).expect("two share it").clone();
     let twins: Vec<String> = names.iter().filter(|n| n.starts_with(&format!("{first} "))).cloned().collect();
-    let mut person = choice(w, h, "Contacts", &names, &full, "Which contact:", format!("{full}."));
+    let mut person = choice(look, "Contacts", &names, &full, "Which contact:", format!("{full}."));
     if let Some(a) = person.ask.as_mut() {
         a.question = format!("Which {first} do you mean: {}?", or_list(&twins));
         a.options = twins.iter().map(|t| AskOption { label: t.clone(), detail: None }).collect();
     }
     let call = rng.random_bool(0.5);
-    let mut c = Canvas::new(w, h);
+    let mut c = look.canvas();
     c.header(&full);
     let mut verbs = ["Call", "Message"];
     verbs.shuffle(rng);
-    let ids: Vec<String> =
-        verbs.iter().enumerate().map(|(i, v)| c.widget("button", c.row_box(i + 1), v, ROW, INK, true)).collect();
+    let ids: Vec<String> = verbs
+        .iter()
+        .enumerate()
+        .map(|(i, v)| c.widget("button", c.row_box(i + 1), v, look.slot_color(i + 1, ROW, &ROW_COLORS), INK, true))
+        .collect();
     let verb = if call { "Call" } else { "Message" };
     let vid = &ids[verbs.iter().position(|v| *v == verb).expect("both drawn")];
     let open =
         Draft { action: click(&c, vid), canvas: c, informative: false, instruction: format!("Tap {verb}"), ask: None };
-    let mut steps = vec![home(w, h, "Contacts", rng), person, open];
+    let mut steps = vec![home(look, "Contacts", rng), person, open];
     if call {
-        steps.push(confirm(w, h, "Calling", std::slice::from_ref(&full), None));
+        steps.push(confirm(look, "Calling", std::slice::from_ref(&full), None));
         return TaskDraft {
             steps,
             details: vec![(full.clone(), first.to_string(), 1)],
@@ -287,7 +338,7 @@ fn contacts(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
         };
     }
     let text = MESSAGES.choose(rng).expect("non-empty").to_string();
-    let mut c = Canvas::new(w, h);
+    let mut c = look.canvas();
     c.header(&format!("To {full}"));
     c.widget("textbox", c.row_box(0), "Type a message", FIELD, INK, false);
     c.widget("button", c.row_box(2), "Send", ACCENT, WHITE, true);
@@ -303,13 +354,13 @@ fn contacts(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
             kind: Some(AskKind::Specification),
         }),
     };
-    let mut c = Canvas::new(w, h);
+    let mut c = look.canvas();
     c.header(&format!("To {full}"));
     c.widget("textbox", c.row_box(0), &text, FIELD, INK, false);
     let send = c.widget("button", c.row_box(2), "Send", ACCENT, WHITE, true);
     let send =
         Draft { action: click(&c, &send), canvas: c, informative: false, instruction: "Tap Send".into(), ask: None };
-    steps.extend([compose, send, confirm(w, h, "Sent", &[format!("Message to {full}")], None)]);
+    steps.extend([compose, send, confirm(look, "Sent", &[format!("Message to {full}")], None)]);
     TaskDraft {
         steps,
         details: vec![(full.clone(), first.to_string(), 1), (format!(": \"{text}\""), String::new(), 3)],
@@ -317,7 +368,7 @@ fn contacts(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
     }
 }
 
-fn settings(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
+fn settings(look: Look, rng: &mut impl Rng) -> TaskDraft {
     const PAGES: [(&str, &str, &[&str]); 3] = [
         ("Display", "brightness", &["Brightness 25%", "Brightness 50%", "Brightness 75%", "Brightness 100%"]),
         ("Sound", "volume", &["Volume 0%", "Volume 30%", "Volume 60%", "Volume 90%"]),
@@ -326,14 +377,14 @@ fn settings(w: u32, h: u32, rng: &mut impl Rng) -> TaskDraft {
     let (page, what, levels) = *PAGES.choose(rng).expect("non-empty");
     let mut pages: Vec<String> = PAGES.iter().map(|p| p.0.to_string()).chain(["Battery".to_string()]).collect();
     pages.shuffle(rng);
-    let (c1, a1) = list(w, h, "Settings", &pages, page);
+    let (c1, a1) = list(look, "Settings", &pages, page);
     let options: Vec<String> = levels.iter().map(|s| s.to_string()).collect();
     let pick = options.choose(rng).expect("four").clone();
     let steps = vec![
-        home(w, h, "Settings", rng),
+        home(look, "Settings", rng),
         Draft { canvas: c1, action: a1, informative: false, instruction: format!("Open {page}"), ask: None },
-        choice(w, h, page, &options, &pick, &format!("Which {what}:"), format!("{pick}.")),
-        confirm(w, h, page, &[format!("{pick} set")], None),
+        choice(look, page, &options, &pick, &format!("Which {what}:"), format!("{pick}.")),
+        confirm(look, page, &[format!("{pick} set")], None),
     ];
     TaskDraft {
         steps,
@@ -354,22 +405,23 @@ fn short_level(level: &str) -> String {
     }
 }
 
-/// The episode `index` of the world with `seed`, drawn at `w x h`; screenshots are written under
+/// The episode `index` of the world with `seed`, drawn as `look` (or a `(width, height)`); screenshots are written under
 /// `images_dir` (`<id>/<step>.png`) and referenced as `images/<id>/<step>.png`.
 pub fn make_episode(
     seed: u64,
     index: usize,
-    (w, h): (u32, u32),
+    look: impl Into<Look>,
     ambiguous_fraction: f64,
     images_dir: &Path,
 ) -> Result<Episode, SynthError> {
+    let look = look.into();
     let mut rng = episode_rng(seed, index);
     let _split_draw: f64 = rng.random(); // first draw is the split (see `split_of`)
     let draft = match rng.random_range(0..4) {
-        0 => shop(w, h, &mut rng),
-        1 => booking(w, h, &mut rng),
-        2 => contacts(w, h, &mut rng),
-        _ => settings(w, h, &mut rng),
+        0 => shop(look, &mut rng),
+        1 => booking(look, &mut rng),
+        2 => contacts(look, &mut rng),
+        _ => settings(look, &mut rng),
     };
     let full: Vec<String> = draft.details.iter().map(|d| d.0.clone()).collect();
     let task = (draft.template)(&full);
@@ -407,7 +459,8 @@ pub fn make_episode(
             ask: if ask_steps.contains(&i) { d.ask } else { None },
         });
     }
-    Ok(Episode { id, platform: Platform::Android, screen: Screen { width: w, height: h }, task, ambiguous_task, steps })
+    let screen = Screen { width: look.width, height: look.height };
+    Ok(Episode { id, platform: Platform::Android, screen, task, ambiguous_task, steps })
 }
 
 fn episode_rng(seed: u64, index: usize) -> rand::rngs::StdRng {
@@ -444,6 +497,7 @@ pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
         return Err(SynthError::Fraction(args.ambiguous_fraction));
     }
     let weights = parse_split(&args.split)?;
+    let look = Look { width: args.width, height: args.height, slot_colors: args.slot_colors };
     let images = args.out.join("images");
     std::fs::create_dir_all(&images).map_err(|source| SynthError::Io { path: images.clone(), source })?;
     let bar = indicatif::ProgressBar::new(args.episodes as u64).with_style(
@@ -453,7 +507,7 @@ pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
     let mut splits: [Vec<Episode>; 3] = Default::default();
     let mut report = SynthReport::default();
     for i in 0..args.episodes {
-        let ep = make_episode(args.seed, i, (args.width, args.height), args.ambiguous_fraction, &images)?;
+        let ep = make_episode(args.seed, i, look, args.ambiguous_fraction, &images)?;
         report.steps += ep.steps.len();
         report.ambiguous += ep.is_ambiguous() as usize;
         splits[split_of(args.seed, i, weights)].push(ep);

@@ -61,6 +61,10 @@ pub struct DemoArgs {
     /// Fraction of the episodes whose task leaves out a detail.
     #[arg(long, default_value_t = 0.6)]
     pub ambiguous_fraction: f64,
+    /// Draw list rows and icons in one plain colour instead of the colour of their slot (askgui-data
+    /// synth `--slot-colors`, the demo's default).
+    #[arg(long)]
+    pub plain_slots: bool,
     /// The base model's config.json (default: the built-in [`crate::init::DEMO_CONFIG`]); its special-token
     /// ids must be the byte-level tokenizer's.
     #[arg(long)]
@@ -332,6 +336,7 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
         height: a.height,
         split: a.split.clone(),
         ambiguous_fraction: a.ambiguous_fraction,
+        slot_colors: !a.plain_slots,
     };
     synth(&synth_args).map_err(|e| TrainError::Data(e.to_string()))?;
     stage("synth", t);

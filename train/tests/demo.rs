@@ -16,6 +16,7 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         height: 160,
         max_pixels: 12_544,
         ambiguous_fraction: 0.5,
+        plain_slots: false,
         model_config: None,
         vocab_size: 300,
         base_steps: 2,

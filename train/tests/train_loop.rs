@@ -41,6 +41,7 @@ fn episodes(dir: &Path, episodes: usize) -> PathBuf {
         height: 400,
         split: "1:0:0".into(),
         ambiguous_fraction: 0.5,
+        slot_colors: false,
     })
     .expect("synth");
     dir.join("train.jsonl")
