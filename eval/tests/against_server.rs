@@ -26,12 +26,7 @@ fn endpoint_backend_gets_actions_from_the_real_server() {
     let mut cfg = Config::for_model(ckpt.clone());
     cfg.port = 0;
     cfg.adapters = vec![parse_adapter(&format!("grad={}", fixtures().join("lora/grad/adapter").display())).unwrap()];
-    let mb = ModelBackendConfig {
-        model: ckpt,
-        adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
-        prefix_cache_bytes: cfg.prefix_cache_mb << 20,
-        system_prompt: cfg.system_prompt,
-    };
+    let mb = ModelBackendConfig::from(&cfg);
     let factory = Box::new(move || {
         let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&mb)?);
         Ok(b)

@@ -39,6 +39,8 @@ pub enum ModelError {
     ImageTooLarge { width: usize, height: usize, pixels: usize, limit: usize },
     #[error("prompt: {0}")]
     Prompt(String),
+    #[error("--device {0}")]
+    Device(String),
     #[error("generation: {0}")]
     Generation(String),
     #[error(transparent)]

@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 
 use askgui_data::prompt::SystemPrompt;
+use askgui_model::DeviceKind;
 use clap::{Args, Parser, Subcommand};
 use serde::{Serialize, Serializer};
 
@@ -114,6 +115,10 @@ pub struct Config {
     /// The system prompt the model was trained with (`compact`: the demo's models).
     #[arg(long, env = "ASKGUI_SERVE_SYSTEM_PROMPT", value_enum, default_value_t = SystemPrompt::Full)]
     pub system_prompt: SystemPrompt,
+    /// Where the model runs: `auto` takes the first CUDA GPU when the binary is built with
+    /// `--features cuda` and one is present (bf16 weights), else the CPU (f32).
+    #[arg(long, env = "ASKGUI_SERVE_DEVICE", value_enum, default_value_t = DeviceKind::Auto)]
+    pub device: DeviceKind,
     #[arg(long, env = "ASKGUI_SERVE_STUB", hide = true)]
     pub stub: bool,
 }

@@ -20,15 +20,9 @@ fn load_backend(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
     load_model(cfg)
 }
 
-/// The model backend: the checkpoint and its adapters, on the CPU.
+/// The model backend: the checkpoint and its adapters, on `--device`.
 fn load_model(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
-    let mb = ModelBackendConfig {
-        model: cfg.model.clone(),
-        adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
-        prefix_cache_bytes: cfg.prefix_cache_mb << 20,
-        system_prompt: cfg.system_prompt,
-    };
-    Ok(Box::new(ModelBackend::load(&mb)?))
+    Ok(Box::new(ModelBackend::load(&ModelBackendConfig::from(cfg))?))
 }
 
 fn main() -> anyhow::Result<()> {

@@ -41,10 +41,10 @@ use askgui_data::prompt::{render_chatml, step_messages, PromptConfig, StepContex
 use askgui_model::model::positions_tensor;
 use askgui_model::text::KvCache;
 use askgui_model::{
-    mrope_positions, preprocess, render_chat, Content, ImageProcessorConfig, Message, ModelConfig, ModelError,
-    ProcessedImage, Qwen2Vl, QwenTokenizer,
+    mrope_positions, preprocess, render_chat, Content, DeviceKind, ImageProcessorConfig, Message, ModelConfig,
+    ModelError, ProcessedImage, Qwen2Vl, QwenTokenizer,
 };
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -53,6 +53,7 @@ use crate::backend::{
     JobKind, JobOutput, StepJob,
 };
 use crate::batcher::{Batcher, Client, Item, ItemOut, Round, Ticket};
+use crate::config::Config;
 use crate::prefix_cache::{images_before, prompt_key, PrefixCache};
 
 /// How the backend is built.
@@ -66,6 +67,20 @@ pub struct ModelBackendConfig {
     pub prefix_cache_bytes: usize,
     /// The system prompt the model was trained with.
     pub system_prompt: SystemPrompt,
+    /// Where the model runs (and so its weights' dtype).
+    pub device: DeviceKind,
+}
+
+impl From<&Config> for ModelBackendConfig {
+    fn from(cfg: &Config) -> Self {
+        Self {
+            model: cfg.model.clone(),
+            adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
+            prefix_cache_bytes: cfg.prefix_cache_mb << 20,
+            system_prompt: cfg.system_prompt,
+            device: cfg.device,
+        }
+    }
 }
 
 /// The prefix cache's size when nothing says otherwise.
@@ -161,10 +176,12 @@ fn candle_err(e: candle_core::Error) -> BackendError {
 }
 
 impl ModelBackend {
-    /// Loads the checkpoint in f32 on the CPU and every adapter.
+    /// Loads the checkpoint on the configured device (f32 on the CPU, bf16 on a GPU) and every adapter.
     pub fn load(cfg: &ModelBackendConfig) -> anyhow::Result<Self> {
-        let mut model = Qwen2Vl::load(&cfg.model, &Device::Cpu, DType::F32)
-            .with_context(|| format!("loading the model {}", cfg.model))?;
+        let (device, dtype) = cfg.device.pick()?;
+        tracing::info!("serving on {device:?} with {dtype:?} weights");
+        let mut model =
+            Qwen2Vl::load(&cfg.model, &device, dtype).with_context(|| format!("loading the model {}", cfg.model))?;
         for (name, dir) in &cfg.adapters {
             model
                 .load_adapter(name, dir)

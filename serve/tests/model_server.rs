@@ -30,12 +30,7 @@ fn server() -> ServerHandle {
     let mut cfg = Config::for_model(ckpt.clone());
     cfg.port = 0;
     cfg.adapters = vec![parse_adapter(&adapter).expect("adapter flag")];
-    let backend_cfg = ModelBackendConfig {
-        model: ckpt,
-        adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
-        prefix_cache_bytes: cfg.prefix_cache_mb << 20,
-        system_prompt: cfg.system_prompt,
-    };
+    let backend_cfg = ModelBackendConfig::from(&cfg);
     let factory = Box::new(move || {
         let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&backend_cfg)?);
         Ok(b)

@@ -84,15 +84,8 @@ pub struct ModelArgs {
     pub device: DeviceKind,
 }
 
-/// The device option of [`ModelArgs`].
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum DeviceKind {
-    #[default]
-    Auto,
-    Cpu,
-    Cuda,
-}
+/// The device option of [`ModelArgs`] (shared with the server and the evaluator).
+pub use askgui_model::DeviceKind;
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
 #[serde(deny_unknown_fields)]

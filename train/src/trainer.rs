@@ -131,20 +131,7 @@ fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device)
 /// GPU in bf16 (trainable adapters keep f32 masters, `askgui_model::master_dtype`). Full training
 /// on a GPU stays f32: its base weights are the trained parameters.
 fn pick_device(kind: DeviceKind) -> Result<(Device, DType)> {
-    let device = match kind {
-        DeviceKind::Cpu => Device::Cpu,
-        DeviceKind::Cuda => Device::new_cuda(0).map_err(|e| {
-            TrainError::Config(format!("--device cuda: {e} (build with `--features cuda` on a machine with a GPU)"))
-        })?,
-        DeviceKind::Auto => match Device::cuda_if_available(0) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!("no usable CUDA device ({e}); training on the CPU");
-                Device::Cpu
-            }
-        },
-    };
-    let dtype = if device.is_cuda() { DType::BF16 } else { DType::F32 };
+    let (device, dtype) = kind.pick()?;
     tracing::info!("training on {device:?} with {dtype:?} weights");
     Ok((device, dtype))
 }

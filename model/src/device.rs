@@ -1,0 +1,61 @@
+//! `--device auto|cpu|cuda`: where a binary (trainer, server, evaluator) runs the model, chosen once at
+//! start. The CPU runs f32 weights; a CUDA GPU runs bf16 weights with f32 math in the kernels (trainable
+//! adapters keep f32 masters, [`crate::master_dtype`]). One place, so that every binary picks alike.
+
+use candle_core::{DType, Device};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+
+/// The device option of the binaries.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    /// The first CUDA GPU when the binary is built with `--features cuda` and one is present, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    /// The first CUDA GPU; an error when the binary has no CUDA support or the machine no GPU.
+    Cuda,
+}
+
+impl DeviceKind {
+    /// The device and the dtype its weights are kept in. `Auto` falls back to the CPU with a warning that
+    /// says why; `Cuda` fails with an error that says what to do.
+    pub fn pick(self) -> Result<(Device, DType)> {
+        let device = match self {
+            DeviceKind::Cpu => Device::Cpu,
+            DeviceKind::Cuda => Device::new_cuda(0).map_err(|e| {
+                ModelError::Device(format!(
+                    "cuda: {e} (use a binary built with `--features cuda`, on a machine with an NVIDIA GPU)"
+                ))
+            })?,
+            DeviceKind::Auto => match Device::cuda_if_available(0) {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!("no usable CUDA device ({e}); running on the CPU");
+                    Device::Cpu
+                }
+            },
+        };
+        let dtype = if device.is_cuda() { DType::BF16 } else { DType::F32 };
+        Ok((device, dtype))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_is_f32_and_auto_falls_back_without_a_gpu() {
+        let (d, t) = DeviceKind::Cpu.pick().unwrap();
+        assert!(matches!(d, Device::Cpu) && t == DType::F32);
+        if !cfg!(feature = "cuda") {
+            let (d, t) = DeviceKind::Auto.pick().unwrap();
+            assert!(matches!(d, Device::Cpu) && t == DType::F32);
+            let e = DeviceKind::Cuda.pick().unwrap_err().to_string();
+            assert!(e.contains("--features cuda"), "{e}");
+        }
+    }
+}
