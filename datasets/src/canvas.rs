@@ -22,12 +22,14 @@ pub struct Canvas {
     pub elements: Vec<Element>,
     /// Glyph scale: a character is `8 * scale` pixels square.
     pub scale: u32,
+    /// Layout grid in pixels (0: none): see [`Canvas::snap`].
+    pub grid: i32,
 }
 
 impl Canvas {
     pub fn new(width: u32, height: u32) -> Self {
         let scale = (width.min(height) / 180).max(1);
-        Self { img: RgbImage::from_pixel(width, height, BACKGROUND), elements: Vec::new(), scale }
+        Self { img: RgbImage::from_pixel(width, height, BACKGROUND), elements: Vec::new(), scale, grid: 0 }
     }
 
     pub fn width(&self) -> i32 {
@@ -98,18 +100,28 @@ impl Canvas {
 
     /// The title bar every screen has; not clickable, but listed (as a header) like a real a11y tree.
     pub fn header(&mut self, title: &str) {
-        let h = self.height() / 10;
+        let h = if self.grid > 0 { (self.height() / 10 / self.grid).max(1) * self.grid } else { self.height() / 10 };
         self.widget("header", [0, 0, self.width(), h], title, HEADER, WHITE, false);
     }
 
-    /// Box of list row `i` below the header (rows of equal height with gaps).
+    /// Box of list row `i` below the header (rows of equal height with gaps; on a grid, rows one grid
+    /// cell tall or more, touching, starting on grid lines).
     pub fn row_box(&self, i: usize) -> [i32; 4] {
         let (w, h) = (self.width(), self.height());
-        let top = h / 10 + h / 40;
-        let rh = h / 11;
-        let gap = h / 60;
-        let y1 = top + i as i32 * (rh + gap);
+        let (top, rh, gap) = (h / 10 + h / 40, h / 11, h / 60);
+        let (top, pitch, rh) =
+            if self.grid > 0 { (self.snap(top), self.snap(rh), self.snap(rh)) } else { (top, rh + gap, rh) };
+        let y1 = top + i as i32 * pitch;
         [w / 20, y1, w - w / 20, y1 + rh]
+    }
+
+    /// `v` rounded up to the layout grid (unchanged without one).
+    pub fn snap(&self, v: i32) -> i32 {
+        if self.grid > 0 {
+            (v + self.grid - 1) / self.grid * self.grid
+        } else {
+            v
+        }
     }
 
     pub fn element(&self, id: &str) -> &Element {

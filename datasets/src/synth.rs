@@ -61,6 +61,9 @@ pub struct SynthArgs {
     /// Draw each list row and home-screen icon in the colour of its slot (see [`Look::slot_colors`]).
     #[arg(long)]
     pub slot_colors: bool,
+    /// Snap rows and icons to multiples of this many pixels (see [`Look::grid`]; 0: no snapping).
+    #[arg(long, default_value_t = 0)]
+    pub grid: u32,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -111,17 +114,24 @@ pub struct Look {
     /// every screen: a cue of *where* a label is that a model with no notion of absolute position (patch
     /// features under RoPE carry none) can read in one glance. The labels still decide which slot to tap.
     pub slot_colors: bool,
+    /// Snap the header, list rows and icons to multiples of this many pixels (0: no snapping). With the
+    /// model's merged patch size (28 for Qwen2-VL and Qwen2.5-VL) and a screen the processor keeps
+    /// unresized, a label looks the same to the model in every row: its glyphs fall on the patch grid
+    /// the same way. Rows then touch (one grid cell tall each); slot colours tell them apart.
+    pub grid: u32,
 }
 
 impl From<(u32, u32)> for Look {
     fn from((width, height): (u32, u32)) -> Self {
-        Self { width, height, slot_colors: false }
+        Self { width, height, slot_colors: false, grid: 0 }
     }
 }
 
 impl Look {
     fn canvas(&self) -> Canvas {
-        Canvas::new(self.width, self.height)
+        let mut c = Canvas::new(self.width, self.height);
+        c.grid = self.grid as i32;
+        c
     }
 
     /// The fill of slot `i`: its own colour with `--slot-colors`, else the plain `base`.
@@ -146,12 +156,12 @@ fn home(look: Look, app: &str, rng: &mut impl Rng) -> Draft {
     let mut apps = APPS;
     apps.shuffle(rng);
     let (cw, ch) = (c.width(), c.height());
-    let size = (cw / 3).min(ch / 5);
+    let size = c.snap((cw / 3).min(ch / 5));
     let mut target = String::new();
     for (i, name) in apps.iter().enumerate() {
         let (col, row) = ((i % 2) as i32, (i / 2) as i32);
-        let x1 = cw / 4 + col * cw / 2 - size / 2;
-        let y1 = ch / 4 + row * (size + ch / 10);
+        let x1 = c.snap(cw / 4 + col * cw / 2 - size / 2);
+        let y1 = c.snap(ch / 4 + row * (size + ch / 10));
         let bg = look.slot_color(i, ACCENT, &ICON_COLORS);
         let id = c.widget("icon", [x1, y1, x1 + size, y1 + size], name, bg, WHITE, true);
         if *name == app {
@@ -497,7 +507,7 @@ pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
         return Err(SynthError::Fraction(args.ambiguous_fraction));
     }
     let weights = parse_split(&args.split)?;
-    let look = Look { width: args.width, height: args.height, slot_colors: args.slot_colors };
+    let look = Look { width: args.width, height: args.height, slot_colors: args.slot_colors, grid: args.grid };
     let images = args.out.join("images");
     std::fs::create_dir_all(&images).map_err(|source| SynthError::Io { path: images.clone(), source })?;
     let bar = indicatif::ProgressBar::new(args.episodes as u64).with_style(

@@ -24,6 +24,7 @@ fn args(out: &Path, episodes: usize, seed: u64) -> SynthArgs {
         split: "8:1:1".into(),
         ambiguous_fraction: 0.5,
         slot_colors: false,
+        grid: 0,
     }
 }
 

@@ -130,6 +130,15 @@ pub struct DataArgs {
     /// Context length in tokens: longer samples lose their oldest history until they fit.
     #[arg(long, default_value_t = 8192)]
     pub max_seq_len: usize,
+    /// Copies of each ask sample in the training data (1: the natural mix; the validation data always
+    /// has one). Asks are a small share of the steps, and they alone teach when to ask.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    #[serde(default = "one")]
+    pub ask_repeat: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]

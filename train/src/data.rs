@@ -22,6 +22,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use askgui_data::prompt::SampleKind;
 use askgui_data::prompt::{ChatMessage, Part};
 use askgui_data::{episode_samples, read_episodes, render_chatml, LoadedEpisode, PromptConfig, TaskMode};
 use askgui_model::{load_image, preprocess, ImageProcessorConfig, QwenTokenizer, TrainExample};
@@ -40,6 +41,10 @@ pub struct DataOptions {
     pub history_length: usize,
     pub max_seq_len: usize,
     pub skip_bad_records: bool,
+    /// Copies of each ask sample (the annotated step of an ambiguous task, whose target is the question):
+    /// 1 keeps the natural mix. Asks are a small share of the steps (~12% in the demo's world), and a
+    /// model learns when to ask from them alone.
+    pub ask_repeat: usize,
 }
 
 /// One tokenised training sample whose pixels are not decoded yet.
@@ -179,9 +184,10 @@ pub fn load_dataset(
             let grids = imgs.iter().map(|p| tokens[p].0).collect();
             let sample =
                 PreparedSample { episode: s.episode, line, step: s.step, ids, labels_mask, images: imgs, grids };
-            stats.tokens += sample.ids.len();
-            stats.supervised_tokens += sample.supervised_tokens();
-            samples.push(sample);
+            let copies = if s.kind == SampleKind::Ask { opts.ask_repeat.max(1) } else { 1 };
+            stats.tokens += copies * sample.ids.len();
+            stats.supervised_tokens += copies * sample.supervised_tokens();
+            samples.extend(std::iter::repeat_n(sample, copies));
         }
     }
     stats.samples = samples.len();

@@ -61,8 +61,9 @@ pub struct DemoArgs {
     /// Fraction of the episodes whose task leaves out a detail.
     #[arg(long, default_value_t = 0.6)]
     pub ambiguous_fraction: f64,
-    /// Draw list rows and icons in one plain colour instead of the colour of their slot (askgui-data
-    /// synth `--slot-colors`, the demo's default).
+    /// Plain screens: list rows and icons in one colour and off the patch grid, instead of the demo's
+    /// default of a colour per slot on the model's 28-pixel grid (askgui-data synth `--slot-colors
+    /// --grid 28`).
     #[arg(long)]
     pub plain_slots: bool,
     /// The base model's config.json (default: the built-in [`crate::init::DEMO_CONFIG`]); its special-token
@@ -84,6 +85,9 @@ pub struct DemoArgs {
     pub lora_lr: f64,
     #[arg(long, default_value_t = 16)]
     pub lora_rank: usize,
+    /// Copies of each ask sample in the LoRA mix (askgui-train `--ask-repeat`).
+    #[arg(long, default_value_t = 3)]
+    pub ask_repeat: u32,
     /// Sequences per optimiser step (one micro-batch; 16 amortises the per-op overhead of a model this
     /// small: ~1.7x the tokens/s of 8).
     #[arg(long, default_value_t = 16)]
@@ -91,8 +95,8 @@ pub struct DemoArgs {
     /// Test episodes evaluated (0: the whole test split).
     #[arg(long, default_value_t = 0)]
     pub eval_episodes: usize,
-    /// The longest answer, in tokens.
-    #[arg(long, default_value_t = 96)]
+    /// The longest answer, in tokens (an ask with its four options is ~100 tokens of the learned tokenizer).
+    #[arg(long, default_value_t = 160)]
     pub max_new_tokens: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -337,6 +341,7 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
         split: a.split.clone(),
         ambiguous_fraction: a.ambiguous_fraction,
         slot_colors: !a.plain_slots,
+        grid: if a.plain_slots { 0 } else { 28 },
     };
     synth(&synth_args).map_err(|e| TrainError::Data(e.to_string()))?;
     stage("synth", t);
@@ -390,6 +395,7 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     lora.model.model = Some(base_model.to_string_lossy().into_owned());
     lora.model.mode = Mode::Lora;
     lora.data.task_mode = TaskMode::Ambiguous;
+    lora.data.ask_repeat = a.ask_repeat;
     lora.lora.lora_rank = a.lora_rank;
     lora.lora.lora_alpha = 2.0 * a.lora_rank as f64;
     lora.lora.lora_dropout = 0.0;

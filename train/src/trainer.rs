@@ -176,6 +176,7 @@ fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
         history_length: d.history_length,
         max_seq_len: d.max_seq_len,
         skip_bad_records: d.skip_bad_records,
+        ask_repeat: d.ask_repeat as usize,
     }
 }
 
@@ -212,6 +213,29 @@ fn adapter_and_optimiser(model: &mut Qwen2Vl, cfg: &TrainConfig, ckpt: Option<&P
     Ok((opt, state))
 }
 
+/// The samples of the first `steps` optimiser steps of the training that `cfg` describes, in the order the
+/// trainer takes them (a fresh run; the model is loaded on the CPU only for its tokenizer and image
+/// processor). Benchmarks feed these very batches to another trainer (`examples/export_batches.rs`).
+pub fn planned_batches(cfg: &TrainConfig, steps: usize) -> Result<Vec<Vec<data::PreparedSample>>> {
+    cfg.validate()?;
+    let model = load_model(cfg, &Device::Cpu, DType::F32)?;
+    let ic = model.image_config.clone();
+    let set = data::load_dataset(
+        cfg.data.data.as_deref().expect("validated"),
+        &data_options(cfg, &ic),
+        &model.tokenizer()?,
+        &ic,
+    )?;
+    let mut pos = data::DataPosition::default();
+    let mut out = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let (indices, next) = data::step_samples(set.samples.len(), cfg.sequences_per_step(), cfg.run.seed, pos);
+        out.push(indices.iter().map(|&i| set.samples[i].clone()).collect());
+        pos = next;
+    }
+    Ok(out)
+}
+
 /// Runs (or, with `control.resume`, continues) the training that `cfg` describes.
 pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     cfg.validate()?;
@@ -225,7 +249,8 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     let opts = data_options(cfg, &ic);
     let train_set = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
     tracing::info!(stats = ?train_set.stats, "training data {}", train_set.path.display());
-    let val_set = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &opts, &tokenizer, &ic)).transpose()?;
+    let val_opts = DataOptions { ask_repeat: 1, ..opts.clone() };
+    let val_set = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &val_opts, &tokenizer, &ic)).transpose()?;
     if let Some(v) = &val_set {
         tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());
     }

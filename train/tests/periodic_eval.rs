@@ -35,6 +35,7 @@ fn episodes(dir: &Path) -> PathBuf {
         split: "1:0:0".into(),
         ambiguous_fraction: 0.5,
         slot_colors: false,
+        grid: 0,
     })
     .expect("synth");
     dir.join("train.jsonl")

@@ -42,6 +42,7 @@ fn episodes(dir: &Path, episodes: usize) -> PathBuf {
         split: "1:0:0".into(),
         ambiguous_fraction: 0.5,
         slot_colors: false,
+        grid: 0,
     })
     .expect("synth");
     dir.join("train.jsonl")
@@ -75,6 +76,7 @@ fn data_options() -> DataOptions {
         history_length: 0,
         max_seq_len: 8192,
         skip_bad_records: false,
+        ask_repeat: 1,
     }
 }
 
