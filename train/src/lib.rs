@@ -10,6 +10,7 @@
 //! prompts it will be asked.
 
 pub mod agent_eval;
+pub mod alloc;
 pub mod bpe;
 pub mod checkpoint;
 pub mod config;

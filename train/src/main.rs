@@ -27,6 +27,7 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    askgui_train::alloc::tune_for_training();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if argv.get(1).is_some_and(|a| a == "merge") {
         match askgui_train::merge::run_cli(argv.into_iter().skip(1)) {
