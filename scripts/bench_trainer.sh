@@ -2,22 +2,26 @@
 # The trainer benchmark on the CPU: askgui-train against transformers + PEFT, LoRA on the same batches of the
 # same model, one run each, reported as ratios (askgui / PyTorch).
 #
-# The fixed config: a synthetic world (askgui-data synth, 392x728 screens, kept unresized: 364 visual tokens
+# The fixed config: a synthetic world (askgui-data synth, 280x504 screens, kept unresized: 180 visual tokens
 # a sample), a random Qwen2.5-VL of decoder hidden 512 x 8 layers and vision 256 x 4 (the shape of the
 # model benchmark, scripts/make_train_bench_checkpoint.py) with the byte-level tokenizer, the compact system
-# prompt, LoRA r 16 / alpha 32 on the 7 projections, batch 4, lr 1e-4, f32, no gradient checkpointing.
+# prompt, LoRA r 16 / alpha 32 on the 7 projections, batch 4, lr 1e-4, f32; gradient checkpointing on both
+# sides or on neither (CKPT=1 / 0, default 0).
 # askgui-train's throughput comes from its metrics.jsonl (step 1 is the warm-up on both sides), its peak
 # RSS from /usr/bin/time; the batches are exported (train/examples/export_batches.rs) and replayed by
 # scripts/bench_trainer_peft.py.
 #
 #   scripts/bench_trainer.sh PYTHON [OUT_DIR] [STEPS] [THREADS]
 #     PYTHON   a Python with torch, transformers 5, peft, torchvision, pillow
-#     OUT_DIR  default target/bench-trainer;  STEPS default 12;  THREADS default: all cores
+#     OUT_DIR  default target/bench-trainer;  STEPS default 10;  THREADS default: all cores
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${1:?usage: scripts/bench_trainer.sh PYTHON [OUT_DIR] [STEPS] [THREADS]}
 out=${2:-target/bench-trainer}
-steps=${3:-12}
+steps=${3:-10}
+ckpt=${CKPT:-0}
+case $ckpt in 0) ours_ckpt=false peft_ckpt=() ;; 1) ours_ckpt=true peft_ckpt=(--gradient-checkpointing) ;;
+  *) echo "CKPT must be 0 or 1" >&2; exit 2 ;; esac
 threads=${4:-$(nproc)}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -25,7 +29,7 @@ out=$(cd "$out" && pwd)
 cargo build --release -q -p askgui-data -p askgui-train --bins --example export_batches
 bin=target/release
 
-[ -f "$out/data/train.jsonl" ] || "$bin/askgui-data" synth --out "$out/data" --episodes 60 --width 392 --height 728 --split 1:0:0
+[ -f "$out/data/train.jsonl" ] || "$bin/askgui-data" synth --out "$out/data" --episodes 60 --width 280 --height 504 --split 1:0:0
 "$py" - "$out/config.json" <<'PY'
 import json, sys
 c = json.load(open("train/assets/demo-config.json"))
@@ -40,7 +44,7 @@ PY
 args=(--init-config "$out/config.json" --mode lora --data "$out/data/train.jsonl" --task-mode full
   --system-prompt compact --min-pixels 3136 --max-pixels 401408 --lora-rank 16 --lora-alpha 32 --lora-dropout 0
   --lr 1e-4 --warmup-steps 0 --min-lr-ratio 1 --max-grad-norm 1 --batch-size 4 --grad-accum 1 --max-steps "$steps"
-  --grad-checkpointing false --save-every 0 --progress false --seed 0)
+  --grad-checkpointing "$ours_ckpt" --save-every 0 --progress false --seed 0)
 
 rm -rf "$out/run"
 RAYON_NUM_THREADS=$threads /usr/bin/time -v -o "$out/askgui.time" \
@@ -48,7 +52,7 @@ RAYON_NUM_THREADS=$threads /usr/bin/time -v -o "$out/askgui.time" \
 "$bin/examples/export_batches" --steps "$steps" --out "$out/batches.jsonl" -- "${args[@]}" --output-dir "$out/export" \
   2>>"$out/askgui.log"
 "$py" scripts/bench_trainer_peft.py --model "$out/run/init-model" --batches "$out/batches.jsonl" \
-  --min-pixels 3136 --max-pixels 401408 --rank 16 --lr 1e-4 --threads "$threads" --attn sdpa \
+  --min-pixels 3136 --max-pixels 401408 --rank 16 --lr 1e-4 --threads "$threads" --attn sdpa "${peft_ckpt[@]}" \
   >"$out/peft.json" 2>"$out/peft.log"
 
 "$py" - "$out" <<'PY'
@@ -63,7 +67,7 @@ ours = dict(
     first_loss=m[0]["loss"],
 )
 peft = json.loads(open(f"{out}/peft.json").read())
-print(f"steps {len(m)} (1 warm-up), threads {peft['threads']}")
+print(f"steps {len(m)} (1 warm-up), threads {peft['threads']}, gradient checkpointing {peft['gradient_checkpointing']}")
 print(f"{'':16}{'askgui':>12}{'PEFT (' + peft['attn'] + ')':>16}{'ratio':>8}")
 for k in ["tokens_per_s", "samples_per_s", "peak_rss_bytes"]:
     a, b = ours[k], peft[k]
