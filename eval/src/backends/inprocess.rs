@@ -12,9 +12,9 @@ use std::sync::Mutex;
 
 use askgui_data::{render_chatml, FrameKind, FrameMap, PromptConfig};
 use askgui_model::{
-    generate, load_image, preprocess, ModelError, ProcessedImage, Prompt, Qwen2Vl, QwenTokenizer, SamplingParams,
+    generate, load_image, preprocess, DeviceKind, ModelError, ProcessedImage, Prompt, Qwen2Vl, QwenTokenizer,
+    SamplingParams,
 };
-use candle_core::{DType, Device};
 
 use super::{frame_for, messages_for, prediction_from_reply, prompt_screenshots};
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
@@ -45,14 +45,18 @@ fn model_err(e: ModelError) -> AgentError {
 }
 
 impl InProcessAgent {
-    /// Loads a checkpoint directory or hub id in f32 on the CPU, with a PEFT LoRA adapter when given.
+    /// Loads a checkpoint directory or hub id on `device` (f32 on the CPU, bf16 on a GPU), with a PEFT
+    /// LoRA adapter when given.
     pub fn load(
         model: &str,
         adapter: Option<&Path>,
         prompt: PromptConfig,
         max_new_tokens: usize,
+        device: DeviceKind,
     ) -> Result<Self, AgentError> {
-        let mut m = Qwen2Vl::load(model, &Device::Cpu, DType::F32).map_err(model_err)?;
+        let (device, dtype) = device.pick().map_err(model_err)?;
+        tracing::info!("evaluating on {device:?} with {dtype:?} weights");
+        let mut m = Qwen2Vl::load(model, &device, dtype).map_err(model_err)?;
         if let Some(dir) = adapter {
             m.load_adapter("adapter", dir).map_err(model_err)?;
             m.set_active_adapter(Some("adapter")).map_err(model_err)?;

@@ -18,6 +18,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use askgui_data::prompt::StepContext;
 use askgui_data::{parse_answer, Action, ChatMessage, FrameMap, PromptConfig};
+use askgui_model::DeviceKind;
 
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
 
@@ -62,6 +63,10 @@ pub struct BackendArgs {
     /// The longest answer, in tokens.
     #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,
+    /// Where `--model` runs: `auto` takes the first CUDA GPU when the binary is built with `--features
+    /// cuda` and one is present (bf16 weights), else the CPU (f32).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
+    pub device: DeviceKind,
     #[command(flatten)]
     pub prompt: PromptConfig,
 }
@@ -105,7 +110,7 @@ pub fn from_args(a: &BackendArgs) -> anyhow::Result<Box<dyn Agent>> {
             if a.openai_model.is_some() {
                 bail!("--openai-model is for --openai-base; --model runs the checkpoint in-process");
             }
-            let agent = InProcessAgent::load(model, a.adapter.as_deref(), a.prompt.clone(), a.max_new_tokens)
+            let agent = InProcessAgent::load(model, a.adapter.as_deref(), a.prompt.clone(), a.max_new_tokens, a.device)
                 .with_context(|| format!("loading --model {model}"))?;
             Ok(Box::new(agent))
         }
