@@ -17,6 +17,13 @@ pub const ROW: Rgb<u8> = Rgb([226, 230, 238]);
 pub const ACCENT: Rgb<u8> = Rgb([22, 140, 86]);
 pub const FIELD: Rgb<u8> = Rgb([255, 255, 255]);
 
+/// The two-colour mark [`Canvas::badged_widget`] draws: side-by-side stripes, or stacked ones (`across`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Badge {
+    pub colors: [Rgb<u8>; 2],
+    pub across: bool,
+}
+
 pub struct Canvas {
     pub img: RgbImage,
     pub elements: Vec<Element>,
@@ -93,9 +100,56 @@ impl Canvas {
     pub fn widget(&mut self, role: &str, bbox: [i32; 4], text: &str, bg: Rgb<u8>, fg: Rgb<u8>, center: bool) -> String {
         self.fill(bbox, bg);
         self.label(bbox, text, fg, center);
+        self.record(role, bbox, text)
+    }
+
+    /// Lists a drawn widget in the element list; returns its id.
+    fn record(&mut self, role: &str, bbox: [i32; 4], text: &str) -> String {
         let id = format!("e{}", self.elements.len());
         self.elements.push(Element { id: id.clone(), role: role.into(), text: text.into(), bbox });
         id
+    }
+
+    /// A widget with a badge: a square of two colour stripes (`badge`) beside the label, or, with
+    /// `stacked` (app icons), above it. The element's box is the whole widget. On a layout grid the badge
+    /// fills the middle of one grid cell (the first whole cell of the box), so that one patch-merged token
+    /// of a model with that merge size sees all of it, each stripe in a patch of its own.
+    #[allow(clippy::too_many_arguments)]
+    pub fn badged_widget(
+        &mut self,
+        role: &str,
+        bbox: [i32; 4],
+        text: &str,
+        bg: Rgb<u8>,
+        fg: Rgb<u8>,
+        badge: &Badge,
+        stacked: bool,
+    ) -> String {
+        let [x1, y1, x2, y2] = bbox;
+        self.fill(bbox, bg);
+        let side = if self.grid > 0 {
+            self.grid
+        } else if stacked {
+            (y2 - y1) / 2
+        } else {
+            y2 - y1
+        };
+        let (cx, cy) = if self.grid > 0 { (self.snap(x1), self.snap(y1)) } else { (x1, y1) };
+        let m = side / 7;
+        let [bx1, by1, bx2, by2] = [cx + m, cy + m, cx + side - m, cy + side - m];
+        let [c1, c2] = badge.colors;
+        if badge.across {
+            let mid = (by1 + by2) / 2;
+            self.fill([bx1, by1, bx2, mid], c1);
+            self.fill([bx1, mid, bx2, by2], c2);
+        } else {
+            let mid = (bx1 + bx2) / 2;
+            self.fill([bx1, by1, mid, by2], c1);
+            self.fill([mid, by1, bx2, by2], c2);
+        }
+        let label = if stacked { [x1, cy + side, x2, y2] } else { [cx + side, y1, x2, y2] };
+        self.label(label, text, fg, stacked);
+        self.record(role, bbox, text)
     }
 
     /// The title bar every screen has; not clickable, but listed (as a header) like a real a11y tree.

@@ -225,6 +225,10 @@ pub enum SampleKind {
     Ask,
     /// The same step after the SAY turn: target = the real action.
     ActAfterSay,
+    /// [`TaskMode::Language`]: an annotated question and its answer as plain text.
+    Language,
+    /// [`TaskMode::Describe`]: what the screen shows.
+    Describe,
 }
 
 /// One training sample: messages whose last assistant message is the target.
@@ -247,7 +251,26 @@ pub enum TaskMode {
     Ambiguous,
     /// Always the full task; no ask samples.
     Full,
+    /// Each step on its own, as AndroidControl's low-level mode: the step's instruction is the task
+    /// ("Select Oat milk"), with no history; steps without an instruction and ask samples are left out.
+    /// Grounding practice: what the screen shows, tied to the words that name it.
+    Steps,
+    /// The words of the episodes' dialogues as plain text: each annotated question (the ask action's
+    /// JSON) followed by the user's answer, alone in an assistant turn with no system prompt, task or
+    /// screenshot. A model trained from scratch learns the language a later fine-tuning will need (a
+    /// pretrained one knows it), without ever seeing a question in an agent's context. Without it, the
+    /// tokens only a question uses never occur in training, and Adam pushes their (tied) embeddings
+    /// along one shared direction until they are indistinguishable.
+    Language,
+    /// Screen reading practice, as GUI models are pretrained on widget captions and OCR: for each
+    /// screenshot with an element list, the task [`DESCRIBE_TASK`] and, as the target, an `answer` that
+    /// lists the elements' texts in the list's order (steps without elements are left out). It ties what
+    /// each part of a screen looks like to the words for it, the other way round from grounding.
+    Describe,
 }
+
+/// The task of a [`TaskMode::Describe`] sample.
+pub const DESCRIBE_TASK: &str = "Read the screen";
 
 /// Every training sample of an episode.
 pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -> Result<Vec<Sample>, FrameError> {
@@ -255,10 +278,21 @@ pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -
     let frame = cfg.frame_map(e.screen.width, e.screen.height)?;
     let ambiguous = mode == TaskMode::Ambiguous && e.is_ambiguous();
     let task = if ambiguous { e.ambiguous_task.as_deref().unwrap_or(&e.task) } else { &e.task };
-    let mut history: Vec<Turn> = Vec::new();
+    if mode == TaskMode::Language {
+        return Ok(language_samples(e));
+    }
+    let mut past: Vec<Turn> = Vec::new();
     let mut out = Vec::new();
     for (i, step) in e.steps.iter().enumerate() {
-        let first = i.saturating_sub(cfg.history_images);
+        let (task, mut history) = match (mode, step.instruction.as_deref()) {
+            (TaskMode::Steps, None) => continue,
+            (TaskMode::Steps, Some(instruction)) => (instruction, Vec::new()),
+            (TaskMode::Describe, _) if step.elements.is_none() => continue,
+            (TaskMode::Describe, _) => (DESCRIBE_TASK, Vec::new()),
+            _ => (task, std::mem::take(&mut past)),
+        };
+        let alone = matches!(mode, TaskMode::Steps | TaskMode::Describe);
+        let first = if alone { i } else { i.saturating_sub(cfg.history_images) };
         let screenshots = (first..=i).map(|j| ep.image_path(j)).collect();
         let elements = if cfg.elements { step.elements.as_deref() } else { None };
         let mut push = |history: &[Turn], kind: SampleKind, target: &Action| {
@@ -276,6 +310,10 @@ pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -
             out.push(Sample { episode: e.id.clone(), step: i, kind, messages, target });
         };
         match (&step.ask, ambiguous) {
+            _ if mode == TaskMode::Describe => {
+                let texts: Vec<&str> = step.elements.iter().flatten().map(|e| e.text.as_str()).collect();
+                push(&history, SampleKind::Describe, &Action::Answer { text: texts.join("; ") });
+            }
             (Some(ask), true) => {
                 let ask_action = ask.action();
                 push(&history, SampleKind::Ask, &ask_action);
@@ -286,8 +324,26 @@ pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -
             _ => push(&history, SampleKind::Act, &step.action),
         }
         history.push(Turn::Agent { action: step.action.clone() });
+        past = history;
     }
     Ok(out)
+}
+
+/// [`TaskMode::Language`] samples of an episode: one per annotated question.
+fn language_samples(e: &crate::episode::Episode) -> Vec<Sample> {
+    let asks = e.steps.iter().enumerate().filter_map(|(i, s)| Some((i, s.ask.as_ref()?)));
+    asks.map(|(step, ask)| {
+        let target = ask.action();
+        let text = format!("{}\n{}", target.render(), ask.answer);
+        Sample {
+            episode: e.id.clone(),
+            step,
+            kind: SampleKind::Language,
+            messages: vec![ChatMessage::text("assistant", text, true)],
+            target,
+        }
+    })
+    .collect()
 }
 
 /// Special strings of the Qwen2-VL chat format.
@@ -395,6 +451,59 @@ mod tests {
         // Full mode: no ask samples.
         let s = episode_samples(&episode(true), &cfg, TaskMode::Full).unwrap();
         assert!(s.iter().all(|s| s.kind == SampleKind::Act) && s.len() == 3);
+    }
+
+    #[test]
+    fn steps_mode_gives_each_instructed_step_alone() {
+        let mut ep = episode(true);
+        ep.episode.steps[0].instruction = Some("Open the Shop app".into());
+        ep.episode.steps[1].instruction = Some("Select Oat milk".into());
+        let cfg = PromptConfig { history_images: 1, ..Default::default() };
+        let s = episode_samples(&ep, &cfg, TaskMode::Steps).unwrap();
+        // Step 2 has no instruction; step 1's ask is not used.
+        assert_eq!(
+            s.iter().map(|s| (s.step, s.kind)).collect::<Vec<_>>(),
+            [(0, SampleKind::Act), (1, SampleKind::Act)]
+        );
+        let r = render_chatml(&s[1].messages, false);
+        assert!(r.text.contains("Task: Select Oat milk\n") && !r.text.contains("History"), "{}", r.text);
+        assert_eq!(r.images, [PathBuf::from("data/images/20.png")], "no earlier screenshots without history");
+        let full = episode_samples(&ep, &cfg, TaskMode::Full).unwrap();
+        assert_eq!(s[1].target, full[1].target, "the same action, in the same frame");
+    }
+
+    #[test]
+    fn describe_mode_lists_each_screens_elements() {
+        let mut ep = episode(false);
+        let el = |id: &str, text: &str| crate::episode::Element {
+            id: id.into(),
+            role: "button".into(),
+            text: text.into(),
+            bbox: [0, 0, 10, 10],
+        };
+        ep.episode.steps[1].elements = Some(vec![el("e0", "Milk"), el("e1", "Oat milk"), el("e2", "Soy milk")]);
+        let s = episode_samples(&ep, &PromptConfig::default(), TaskMode::Describe).unwrap();
+        assert_eq!(s.iter().map(|s| (s.step, s.kind)).collect::<Vec<_>>(), [(1, SampleKind::Describe)]);
+        assert_eq!(s[0].target, Action::Answer { text: "Milk; Oat milk; Soy milk".into() });
+        let r = render_chatml(&s[0].messages, false);
+        assert!(r.text.contains(&format!("Task: {DESCRIBE_TASK}\n")) && !r.text.contains("History"), "{}", r.text);
+        assert_eq!(r.images, [PathBuf::from("data/images/20.png")]);
+    }
+
+    #[test]
+    fn language_mode_gives_each_question_and_answer_as_bare_text() {
+        let cfg = PromptConfig::default();
+        let s = episode_samples(&episode(true), &cfg, TaskMode::Language).unwrap();
+        assert_eq!(s.len(), 1);
+        assert_eq!((s[0].step, s[0].kind), (1, SampleKind::Language));
+        let r = render_chatml(&s[0].messages, false);
+        // No system prompt, no task, no screenshot: the question's JSON and the answer, all of it loss.
+        assert!(r.images.is_empty() && !r.text.contains("system") && !r.text.contains("Task:"), "{}", r.text);
+        assert!(r.text.contains("\"question\":\"Which milk?\"") && r.text.contains("\nOat, please."), "{}", r.text);
+        assert_eq!(r.loss_spans.len(), 1);
+        let mut plain = episode(false);
+        plain.episode.steps[1].ask = None;
+        assert!(episode_samples(&plain, &cfg, TaskMode::Language).unwrap().is_empty(), "no question, no sample");
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! `askgui-data synth`: a synthetic GUI world in which asking is genuinely necessary.
 //!
-//! Four small phone apps (Shop, Booking, Contacts, Settings) on a home screen. Every task is a short
-//! multi-step episode: transactional steps (open the app, confirm) and informative steps (pick the
-//! product, the day, the time, the contact, the message text, the level). Each screen offers several
-//! comparable options in a shuffled order with nothing marking the right one, so when a detail is left out
-//! of the task the screen cannot decide it: the agent has to ask.
+//! Four small phone apps (Shop, Booking, Contacts, Settings) on a home screen, beside two that no task
+//! needs (Camera, Maps). Every task is a short multi-step episode: transactional steps (open the app,
+//! confirm) and informative steps (pick the product, the day, the time, the contact, the message text,
+//! the level). Each screen offers several comparable options in a shuffled order with nothing marking the
+//! right one, so when a detail is left out of the task the screen cannot decide it: the agent has to ask.
+//! Where a step's answer is not in the task, it is on the screen: the confirm buttons sit in one of three
+//! rows, a contact's page offers four actions, so an agent that ignores the screen loses most steps.
 //!
 //! Half of the episodes are ambiguous (one detail removed, two for some bookings), with the question and
 //! the user's answer on the informative step; the other half give the full task and need no question, so
@@ -20,7 +22,7 @@ use rand::{Rng, SeedableRng};
 use thiserror::Error;
 
 use crate::action::{Action, AskKind, AskOption, DoneStatus, Target};
-use crate::canvas::{Canvas, ACCENT, FIELD, INK, ROW, WHITE};
+use crate::canvas::{Badge, Canvas, ACCENT, FIELD, INK, ROW, WHITE};
 use crate::episode::{write_episodes, Episode, Platform, Screen, Step, StepAsk};
 
 #[derive(Debug, Error)]
@@ -64,6 +66,9 @@ pub struct SynthArgs {
     /// Snap rows and icons to multiples of this many pixels (see [`Look::grid`]; 0: no snapping).
     #[arg(long, default_value_t = 0)]
     pub grid: u32,
+    /// Give every option and app icon a badge whose colours identify its label (see [`Look::icons`]).
+    #[arg(long)]
+    pub icons: bool,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -93,6 +98,29 @@ struct TaskDraft {
 }
 
 const APPS: [&str; 4] = ["Shop", "Booking", "Contacts", "Settings"];
+/// Apps on the home screen that no task opens.
+const DECOY_APPS: [&str; 2] = ["Camera", "Maps"];
+
+const CATEGORIES: [(&str, &str, &[&str]); 4] = [
+    ("Milk", "milk", &["Oat milk", "Almond milk", "Soy milk", "Whole milk", "Skim milk", "Goat milk"]),
+    ("Coffee", "coffee", &["Espresso beans", "Decaf beans", "Ground coffee", "Instant coffee", "Cold brew"]),
+    ("Bread", "bread", &["Sourdough", "Rye bread", "Baguette", "Whole wheat", "Brioche"]),
+    ("Fruit", "fruit", &["Apples", "Bananas", "Oranges", "Pears", "Mangoes", "Plums"]),
+];
+const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+const TIMES: [&str; 8] = ["12:00", "12:30", "13:00", "18:00", "18:30", "19:00", "19:30", "20:00"];
+const PEOPLE: [&str; 6] = ["1 person", "2 people", "3 people", "4 people", "5 people", "6 people"];
+const FIRST: [&str; 6] = ["Alice", "Bob", "Carol", "Dan", "Eve", "Frank"];
+const LAST: [&str; 8] = ["Smith", "Jones", "Lee", "Brown", "Garcia", "Khan", "Novak", "Silva"];
+/// What a contact's page offers; tasks only call or message.
+const CONTACT_ACTIONS: [&str; 4] = ["Call", "Message", "Video call", "Block"];
+const PAGES: [(&str, &str, &[&str]); 3] = [
+    ("Display", "brightness", &["Brightness 25%", "Brightness 50%", "Brightness 75%", "Brightness 100%"]),
+    ("Sound", "volume", &["Volume 0%", "Volume 30%", "Volume 60%", "Volume 90%"]),
+    ("Text size", "text size", &["Small text", "Medium text", "Large text", "Huge text"]),
+];
+/// The settings page that no task opens.
+const DECOY_PAGE: &str = "Battery";
 
 /// Slot colours of `--slot-colors`: list row `i` and home-screen icon `i` are drawn in colour `i`.
 const ROW_COLORS: [Rgb<u8>; 6] = [
@@ -103,7 +131,55 @@ const ROW_COLORS: [Rgb<u8>; 6] = [
     Rgb([232, 214, 255]),
     Rgb([204, 242, 238]),
 ];
-const ICON_COLORS: [Rgb<u8>; 4] = [Rgb([196, 56, 56]), Rgb([40, 96, 196]), Rgb([28, 132, 64]), Rgb([176, 112, 16])];
+/// Home-screen slot colours: dark and muted, so that white labels and the bright badges stand out.
+const ICON_COLORS: [Rgb<u8>; 6] = [
+    Rgb([120, 64, 64]),
+    Rgb([56, 80, 128]),
+    Rgb([48, 108, 68]),
+    Rgb([128, 104, 48]),
+    Rgb([96, 64, 120]),
+    Rgb([40, 104, 112]),
+];
+
+/// Badge colours of `--icons`: far apart in RGB, and none of them a slot colour.
+const CODE_COLORS: [Rgb<u8>; 9] = [
+    Rgb([230, 25, 75]),
+    Rgb([60, 180, 75]),
+    Rgb([0, 130, 200]),
+    Rgb([245, 130, 48]),
+    Rgb([145, 30, 180]),
+    Rgb([255, 225, 25]),
+    Rgb([240, 50, 230]),
+    Rgb([128, 128, 0]),
+    Rgb([0, 210, 210]),
+];
+
+/// Every label that gets a badge under `--icons`, except contact names, in a fixed order.
+fn badge_labels() -> impl Iterator<Item = &'static str> {
+    APPS.iter()
+        .chain(&DECOY_APPS)
+        .copied()
+        .chain(CATEGORIES.iter().map(|c| c.0))
+        .chain(CATEGORIES.iter().flat_map(|c| c.2.iter().copied()))
+        .chain(DAYS.iter().chain(&TIMES).chain(&PEOPLE).chain(&CONTACT_ACTIONS).copied())
+        .chain(PAGES.iter().map(|p| p.0))
+        .chain([DECOY_PAGE])
+        .chain(PAGES.iter().flat_map(|p| p.2.iter().copied()))
+}
+
+/// The badge of a label under `--icons` (None for a label that has none): label `k` of
+/// [`badge_labels`] is side-by-side stripes of colours `k / 9` and `k % 9`; a contact's name is stacked
+/// stripes, its first name's colour over its last name's. A badge means one label everywhere, so a model
+/// can tie it to the label's words without first working out which screen it is on.
+pub fn badge_code(label: &str) -> Option<Badge> {
+    let n = CODE_COLORS.len();
+    if let Some(k) = badge_labels().position(|l| l == label) {
+        return Some(Badge { colors: [CODE_COLORS[k / n % n], CODE_COLORS[k % n]], across: false });
+    }
+    let at = |list: &[&str], w: &str| list.iter().position(|x| *x == w);
+    let (f, l) = label.split_once(' ').and_then(|(f, l)| Some((at(&FIRST, f)?, at(&LAST, l)?)))?;
+    Some(Badge { colors: [CODE_COLORS[f], CODE_COLORS[l]], across: true })
+}
 
 /// How screens are drawn: their size, and whether list rows and icons carry slot colours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,11 +195,16 @@ pub struct Look {
     /// unresized, a label looks the same to the model in every row: its glyphs fall on the patch grid
     /// the same way. Rows then touch (one grid cell tall each); slot colours tell them apart.
     pub grid: u32,
+    /// A badge on every option and app icon whose colours identify its label, as app icons do (see
+    /// [`badge_code`]). A small model reads a colour in one glance; learning to read 8-pixel glyphs from
+    /// scratch takes far more training than a CPU demo has. The badge says *what* an option is, never
+    /// whether it is the one the user wants: an incomplete task is as undecidable as without it.
+    pub icons: bool,
 }
 
 impl From<(u32, u32)> for Look {
     fn from((width, height): (u32, u32)) -> Self {
-        Self { width, height, slot_colors: false, grid: 0 }
+        Self { width, height, slot_colors: false, grid: 0, icons: false }
     }
 }
 
@@ -132,6 +213,24 @@ impl Look {
         let mut c = Canvas::new(self.width, self.height);
         c.grid = self.grid as i32;
         c
+    }
+
+    /// Draws an option (`stacked`: an app icon), with its badge under `--icons`; returns its id.
+    #[allow(clippy::too_many_arguments)]
+    fn option(
+        &self,
+        c: &mut Canvas,
+        role: &str,
+        bbox: [i32; 4],
+        text: &str,
+        bg: Rgb<u8>,
+        fg: Rgb<u8>,
+        stacked: bool,
+    ) -> String {
+        match badge_code(text).filter(|_| self.icons) {
+            Some(badge) => c.badged_widget(role, bbox, text, bg, fg, &badge, stacked),
+            None => c.widget(role, bbox, text, bg, fg, stacked),
+        }
     }
 
     /// The fill of slot `i`: its own colour with `--slot-colors`, else the plain `base`.
@@ -149,21 +248,25 @@ fn click(c: &Canvas, id: &str) -> Action {
     Action::Click(Target { x: Some(x), y: Some(y), element: Some(id.to_string()) })
 }
 
-/// The home screen with the four apps in a shuffled 2x2 grid; returns the step that opens `app`.
+/// The home screen with the six apps (two that no task needs) in a shuffled 2x3 grid; returns the step
+/// that opens `app`.
 fn home(look: Look, app: &str, rng: &mut impl Rng) -> Draft {
     let mut c = look.canvas();
     c.header("Home");
-    let mut apps = APPS;
+    let mut apps: Vec<&str> = APPS.iter().chain(&DECOY_APPS).copied().collect();
     apps.shuffle(rng);
     let (cw, ch) = (c.width(), c.height());
+    let top = c.elements[0].bbox[3];
     let size = c.snap((cw / 3).min(ch / 5));
+    let pitch = (ch - top) / 3;
+    let pitch = if c.grid > 0 { pitch / c.grid * c.grid } else { pitch };
     let mut target = String::new();
     for (i, name) in apps.iter().enumerate() {
         let (col, row) = ((i % 2) as i32, (i / 2) as i32);
         let x1 = c.snap(cw / 4 + col * cw / 2 - size / 2);
-        let y1 = c.snap(ch / 4 + row * (size + ch / 10));
+        let y1 = c.snap(top + row * pitch + (pitch - size) / 2);
         let bg = look.slot_color(i, ACCENT, &ICON_COLORS);
-        let id = c.widget("icon", [x1, y1, x1 + size, y1 + size], name, bg, WHITE, true);
+        let id = look.option(&mut c, "icon", [x1, y1, x1 + size, y1 + size], name, bg, WHITE, true);
         if *name == app {
             target = id;
         }
@@ -183,7 +286,8 @@ fn list(look: Look, title: &str, options: &[String], pick: &str) -> (Canvas, Act
     c.header(title);
     let mut target = String::new();
     for (i, o) in options.iter().enumerate() {
-        let id = c.widget("button", c.row_box(i), o, look.slot_color(i, ROW, &ROW_COLORS), INK, false);
+        let bbox = c.row_box(i);
+        let id = look.option(&mut c, "button", bbox, o, look.slot_color(i, ROW, &ROW_COLORS), INK, false);
         if o == pick {
             target = id;
         }
@@ -218,8 +322,9 @@ fn or_list(options: &[String]) -> String {
     }
 }
 
-/// A screen with a message and one button; the step clicks the button (or is `done` when `button` is None).
-fn confirm(look: Look, title: &str, lines: &[String], button: Option<&str>) -> Draft {
+/// A screen with a message and one button, in one of the three rows below the message (the screen, not
+/// the history, says where); the step clicks the button (or is `done` when `button` is None).
+fn confirm(look: Look, title: &str, lines: &[String], button: Option<&str>, rng: &mut impl Rng) -> Draft {
     let mut c = look.canvas();
     c.header(title);
     for (i, l) in lines.iter().enumerate() {
@@ -229,7 +334,7 @@ fn confirm(look: Look, title: &str, lines: &[String], button: Option<&str>) -> D
     }
     let (action, instruction) = match button {
         Some(b) => {
-            let bx = c.row_box(lines.len() + 1);
+            let bx = c.row_box(lines.len() + 1 + rng.random_range(0..3));
             let id = c.widget("button", bx, b, ACCENT, WHITE, true);
             (click(&c, &id), format!("Tap {b}"))
         }
@@ -245,12 +350,6 @@ fn pick_n<'a>(pool: &'a [&'a str], n: usize, rng: &mut impl Rng) -> Vec<String> 
 }
 
 fn shop(look: Look, rng: &mut impl Rng) -> TaskDraft {
-    const CATEGORIES: [(&str, &str, &[&str]); 4] = [
-        ("Milk", "milk", &["Oat milk", "Almond milk", "Soy milk", "Whole milk", "Skim milk", "Goat milk"]),
-        ("Coffee", "coffee", &["Espresso beans", "Decaf beans", "Ground coffee", "Instant coffee", "Cold brew"]),
-        ("Bread", "bread", &["Sourdough", "Rye bread", "Baguette", "Whole wheat", "Brioche"]),
-        ("Fruit", "fruit", &["Apples", "Bananas", "Oranges", "Pears", "Mangoes", "Plums"]),
-    ];
     let (cat, noun, items) = *CATEGORIES.choose(rng).expect("non-empty");
     let options = pick_n(items, 4, rng);
     let pick = options.choose(rng).expect("four options").clone();
@@ -262,8 +361,8 @@ fn shop(look: Look, rng: &mut impl Rng) -> TaskDraft {
         home(look, "Shop", rng),
         Draft { canvas: c1, action: a1, informative: false, instruction: format!("Open the {cat} aisle"), ask: None },
         choice(look, cat, &options, &pick, &format!("Which {noun} would you like:"), format!("{pick}, please.")),
-        confirm(look, &pick, &[format!("Price {price}"), "In stock".into()], Some("Add to cart")),
-        confirm(look, "Cart", &[format!("{pick} added"), format!("Total {price}")], None),
+        confirm(look, &pick, &[format!("Price {price}"), "In stock".into()], Some("Add to cart"), rng),
+        confirm(look, "Cart", &[format!("{pick} added"), format!("Total {price}")], None, rng),
     ];
     TaskDraft {
         steps,
@@ -273,9 +372,6 @@ fn shop(look: Look, rng: &mut impl Rng) -> TaskDraft {
 }
 
 fn booking(look: Look, rng: &mut impl Rng) -> TaskDraft {
-    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
-    const TIMES: [&str; 8] = ["12:00", "12:30", "13:00", "18:00", "18:30", "19:00", "19:30", "20:00"];
-    const PEOPLE: [&str; 6] = ["1 person", "2 people", "3 people", "4 people", "5 people", "6 people"];
     let days = pick_n(&DAYS, 4, rng);
     let times = pick_n(&TIMES, 4, rng);
     let people = pick_n(&PEOPLE, 4, rng);
@@ -289,8 +385,8 @@ fn booking(look: Look, rng: &mut impl Rng) -> TaskDraft {
         choice(look, "Pick a day", &days, &day, "Which day would you like:", format!("On {day}.")),
         choice(look, "Pick a time", &times, &time, "What time would you like:", format!("At {time}.")),
         choice(look, "Party size", &people, &size, "For how many:", format!("For {size}.")),
-        confirm(look, "Confirm", &[day.clone(), time.clone(), size.clone()], Some("Confirm")),
-        confirm(look, "Booked", &["Table booked".into(), format!("{day} {time}")], None),
+        confirm(look, "Confirm", &[day.clone(), time.clone(), size.clone()], Some("Confirm"), rng),
+        confirm(look, "Booked", &["Table booked".into(), format!("{day} {time}")], None, rng),
     ];
     TaskDraft {
         steps,
@@ -304,8 +400,6 @@ fn booking(look: Look, rng: &mut impl Rng) -> TaskDraft {
 }
 
 fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
-    const FIRST: [&str; 6] = ["Alice", "Bob", "Carol", "Dan", "Eve", "Frank"];
-    const LAST: [&str; 8] = ["Smith", "Jones", "Lee", "Brown", "Garcia", "Khan", "Novak", "Silva"];
     const MESSAGES: [&str; 6] =
         ["I am running late", "See you at noon", "Call me back", "Happy birthday", "On my way", "Thanks a lot"];
     // Two people share the first name, so a first name alone does not decide.
@@ -327,12 +421,15 @@ fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
     let call = rng.random_bool(0.5);
     let mut c = look.canvas();
     c.header(&full);
-    let mut verbs = ["Call", "Message"];
+    let mut verbs = CONTACT_ACTIONS;
     verbs.shuffle(rng);
     let ids: Vec<String> = verbs
         .iter()
         .enumerate()
-        .map(|(i, v)| c.widget("button", c.row_box(i + 1), v, look.slot_color(i + 1, ROW, &ROW_COLORS), INK, true))
+        .map(|(i, v)| {
+            let bbox = c.row_box(i + 1);
+            look.option(&mut c, "button", bbox, v, look.slot_color(i + 1, ROW, &ROW_COLORS), INK, false)
+        })
         .collect();
     let verb = if call { "Call" } else { "Message" };
     let vid = &ids[verbs.iter().position(|v| *v == verb).expect("both drawn")];
@@ -340,7 +437,7 @@ fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
         Draft { action: click(&c, vid), canvas: c, informative: false, instruction: format!("Tap {verb}"), ask: None };
     let mut steps = vec![home(look, "Contacts", rng), person, open];
     if call {
-        steps.push(confirm(look, "Calling", std::slice::from_ref(&full), None));
+        steps.push(confirm(look, "Calling", std::slice::from_ref(&full), None, rng));
         return TaskDraft {
             steps,
             details: vec![(full.clone(), first.to_string(), 1)],
@@ -348,10 +445,11 @@ fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
         };
     }
     let text = MESSAGES.choose(rng).expect("non-empty").to_string();
+    let send_row = 2 + rng.random_range(0..3);
     let mut c = look.canvas();
     c.header(&format!("To {full}"));
     c.widget("textbox", c.row_box(0), "Type a message", FIELD, INK, false);
-    c.widget("button", c.row_box(2), "Send", ACCENT, WHITE, true);
+    c.widget("button", c.row_box(send_row), "Send", ACCENT, WHITE, true);
     let compose = Draft {
         canvas: c,
         action: Action::Type { text: text.clone() },
@@ -367,10 +465,10 @@ fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
     let mut c = look.canvas();
     c.header(&format!("To {full}"));
     c.widget("textbox", c.row_box(0), &text, FIELD, INK, false);
-    let send = c.widget("button", c.row_box(2), "Send", ACCENT, WHITE, true);
+    let send = c.widget("button", c.row_box(send_row), "Send", ACCENT, WHITE, true);
     let send =
         Draft { action: click(&c, &send), canvas: c, informative: false, instruction: "Tap Send".into(), ask: None };
-    steps.extend([compose, send, confirm(look, "Sent", &[format!("Message to {full}")], None)]);
+    steps.extend([compose, send, confirm(look, "Sent", &[format!("Message to {full}")], None, rng)]);
     TaskDraft {
         steps,
         details: vec![(full.clone(), first.to_string(), 1), (format!(": \"{text}\""), String::new(), 3)],
@@ -379,22 +477,18 @@ fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
 }
 
 fn settings(look: Look, rng: &mut impl Rng) -> TaskDraft {
-    const PAGES: [(&str, &str, &[&str]); 3] = [
-        ("Display", "brightness", &["Brightness 25%", "Brightness 50%", "Brightness 75%", "Brightness 100%"]),
-        ("Sound", "volume", &["Volume 0%", "Volume 30%", "Volume 60%", "Volume 90%"]),
-        ("Text size", "text size", &["Small text", "Medium text", "Large text", "Huge text"]),
-    ];
     let (page, what, levels) = *PAGES.choose(rng).expect("non-empty");
-    let mut pages: Vec<String> = PAGES.iter().map(|p| p.0.to_string()).chain(["Battery".to_string()]).collect();
+    let mut pages: Vec<String> = PAGES.iter().map(|p| p.0.to_string()).chain([DECOY_PAGE.to_string()]).collect();
     pages.shuffle(rng);
     let (c1, a1) = list(look, "Settings", &pages, page);
-    let options: Vec<String> = levels.iter().map(|s| s.to_string()).collect();
+    let mut options: Vec<String> = levels.iter().map(|s| s.to_string()).collect();
+    options.shuffle(rng);
     let pick = options.choose(rng).expect("four").clone();
     let steps = vec![
         home(look, "Settings", rng),
         Draft { canvas: c1, action: a1, informative: false, instruction: format!("Open {page}"), ask: None },
         choice(look, page, &options, &pick, &format!("Which {what}:"), format!("{pick}.")),
-        confirm(look, page, &[format!("{pick} set")], None),
+        confirm(look, page, &[format!("{pick} set")], None, rng),
     ];
     TaskDraft {
         steps,
@@ -507,7 +601,13 @@ pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
         return Err(SynthError::Fraction(args.ambiguous_fraction));
     }
     let weights = parse_split(&args.split)?;
-    let look = Look { width: args.width, height: args.height, slot_colors: args.slot_colors, grid: args.grid };
+    let look = Look {
+        width: args.width,
+        height: args.height,
+        slot_colors: args.slot_colors,
+        grid: args.grid,
+        icons: args.icons,
+    };
     let images = args.out.join("images");
     std::fs::create_dir_all(&images).map_err(|source| SynthError::Io { path: images.clone(), source })?;
     let bar = indicatif::ProgressBar::new(args.episodes as u64).with_style(

@@ -25,6 +25,7 @@ fn args(out: &Path, episodes: usize, seed: u64) -> SynthArgs {
         ambiguous_fraction: 0.5,
         slot_colors: false,
         grid: 0,
+        icons: false,
     }
 }
 
@@ -158,4 +159,60 @@ fn bad_arguments_are_refused() {
     let e = synth(&SynthArgs { split: "8:1".into(), ..args(&out, 1, 0) }).unwrap_err();
     assert!(e.to_string().contains("8:1"), "{e}");
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `--icons`: every option and app icon carries its label's badge, options shown together have
+/// different badges (so the screen tells them apart), and the badge is drawn inside the option's box.
+#[test]
+fn badges_identify_the_options_on_every_screen() -> anyhow::Result<()> {
+    let out = tmp("icons");
+    let a = SynthArgs { width: 168, height: 308, slot_colors: true, grid: 28, icons: true, ..args(&out, 40, 5) };
+    let report = synth(&a)?;
+    let (mut screens, mut badged) = (0, 0);
+    for (_, file, _) in &report.files {
+        for le in load_episodes(file)? {
+            for s in &le.episode.steps {
+                let img = image::open(out.join(&s.screenshot))?.to_rgb8();
+                let options: Vec<_> =
+                    s.elements.as_ref().unwrap().iter().filter(|e| e.role == "icon" || e.role == "button").collect();
+                let mut codes = HashSet::new();
+                for e in options.iter().filter(|e| !["Add to cart", "Confirm", "Send"].contains(&e.text.as_str())) {
+                    let code = askgui_data::synth::badge_code(&e.text);
+                    let code = code.unwrap_or_else(|| panic!("{}: `{}` has no badge", s.screenshot, e.text));
+                    assert!(codes.insert(code), "{}: two options share the badge of `{}`", s.screenshot, e.text);
+                    let [x1, y1, x2, y2] = e.bbox;
+                    let has = |c| (y1..y2).any(|y| (x1..x2).any(|x| *img.get_pixel(x as u32, y as u32) == c));
+                    let drawn = code.colors.iter().all(|&c| has(c));
+                    assert!(drawn, "{}: the badge of `{}` is not drawn in {:?}", s.screenshot, e.text, e.bbox);
+                    badged += 1;
+                }
+                screens += 1;
+            }
+        }
+    }
+    assert!(screens > 100 && badged > 2 * screens, "{badged} badges on {screens} screens");
+    let _ = std::fs::remove_dir_all(&out);
+    Ok(())
+}
+
+/// Badges are unique: no two labels of the world share one, so a badge means the same thing on every
+/// screen.
+#[test]
+fn badges_are_unique_across_the_world() -> anyhow::Result<()> {
+    let out = tmp("icons-unique");
+    let report = synth(&SynthArgs { icons: true, ..args(&out, 120, 9) })?;
+    let mut seen = std::collections::HashMap::new();
+    for (_, file, _) in &report.files {
+        for le in load_episodes(file)? {
+            for e in le.episode.steps.iter().flat_map(|s| s.elements.clone().unwrap()) {
+                if let Some(code) = askgui_data::synth::badge_code(&e.text) {
+                    let other = seen.entry(code).or_insert_with(|| e.text.clone());
+                    assert_eq!(*other, e.text, "`{}` and `{other}` share a badge", e.text);
+                }
+            }
+        }
+    }
+    assert!(seen.len() > 60, "only {} labels with badges", seen.len());
+    let _ = std::fs::remove_dir_all(&out);
+    Ok(())
 }

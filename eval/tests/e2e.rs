@@ -34,6 +34,7 @@ fn episodes(dir: &Path) -> PathBuf {
         ambiguous_fraction: 0.5,
         slot_colors: false,
         grid: 0,
+        icons: false,
     })
     .expect("synth");
     dir.join("train.jsonl")

@@ -50,7 +50,7 @@ pub struct AgentMetrics {
 pub fn mode_for(task_mode: TaskMode) -> Mode {
     match task_mode {
         TaskMode::Ambiguous => Mode::Standard,
-        TaskMode::Full => Mode::Original,
+        TaskMode::Full | TaskMode::Steps | TaskMode::Language | TaskMode::Describe => Mode::Original,
     }
 }
 

@@ -101,9 +101,15 @@ pub struct DataArgs {
     /// Skip (and count) unreadable lines and episodes with missing screenshots instead of stopping.
     #[arg(long, default_value_t = false)]
     pub skip_bad_records: bool,
-    /// Which task the samples use: the ambiguous one (with ask samples) or always the full one.
+    /// Which task the samples use: the ambiguous one (with ask samples), always the full one, or each
+    /// step alone with its instruction as the task (`steps`: grounding practice).
     #[arg(long, value_enum, default_value_t = TaskMode::Ambiguous)]
     pub task_mode: TaskMode,
+    /// More samples of the same episodes in other task modes, mixed in (comma-separated), e.g.
+    /// `steps,language` for grounding practice and the dialogues' words.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    #[serde(default)]
+    pub extra_task_modes: Vec<TaskMode>,
     /// Coordinate frame the model reads and writes.
     #[arg(long, value_enum, default_value_t = FrameKind::Resized)]
     pub frame: FrameKind,

@@ -37,6 +37,8 @@ pub struct DataOptions {
     /// The prompt layout; its min/max pixels must be the image processor's.
     pub prompt: PromptConfig,
     pub task_mode: TaskMode,
+    /// More samples from the same episodes, built in these modes, mixed in.
+    pub extra_task_modes: Vec<TaskMode>,
     /// Most recent history lines kept (0: all).
     pub history_length: usize,
     pub max_seq_len: usize,
@@ -145,14 +147,16 @@ pub fn load_dataset(
                 continue;
             }
         };
-        let ep_samples = match episode_samples(&ep, &opts.prompt, opts.task_mode) {
-            Ok(s) => s,
-            Err(e) => {
-                let err = TrainError::BadRecord { path: path.into(), line, reason: e.to_string() };
-                skip(err, &mut stats)?;
-                continue;
-            }
-        };
+        let modes = std::iter::once(opts.task_mode).chain(opts.extra_task_modes.iter().copied());
+        let ep_samples =
+            match modes.map(|m| episode_samples(&ep, &opts.prompt, m)).collect::<std::result::Result<Vec<_>, _>>() {
+                Ok(s) => s.into_iter().flatten().collect::<Vec<_>>(),
+                Err(e) => {
+                    let err = TrainError::BadRecord { path: path.into(), line, reason: e.to_string() };
+                    skip(err, &mut stats)?;
+                    continue;
+                }
+            };
         for s in ep_samples {
             let mut messages = s.messages;
             if opts.history_length > 0 {

@@ -173,6 +173,7 @@ fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
             system_prompt: d.system_prompt,
         },
         task_mode: d.task_mode,
+        extra_task_modes: d.extra_task_modes.clone(),
         history_length: d.history_length,
         max_seq_len: d.max_seq_len,
         skip_bad_records: d.skip_bad_records,
@@ -249,7 +250,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     let opts = data_options(cfg, &ic);
     let train_set = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
     tracing::info!(stats = ?train_set.stats, "training data {}", train_set.path.display());
-    let val_opts = DataOptions { ask_repeat: 1, ..opts.clone() };
+    let val_opts = DataOptions { ask_repeat: 1, extra_task_modes: vec![], ..opts.clone() };
     let val_set = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &val_opts, &tokenizer, &ic)).transpose()?;
     if let Some(v) = &val_set {
         tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());

@@ -2,6 +2,7 @@
 //! functions and report.json holds every key under its stable name. It asserts nothing about the scores:
 //! a toy run reaches none of the demo's targets, and the report must say so (`all_met` false).
 
+use askgui_data::TaskMode;
 use askgui_train::demo::{run, DemoArgs};
 
 #[test]
@@ -19,6 +20,7 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         plain_slots: false,
         model_config: None,
         vocab_size: 300,
+        base_extra: vec![TaskMode::Steps, TaskMode::Language, TaskMode::Describe],
         base_steps: 2,
         base_lr: 1e-3,
         lora_steps: 2,

@@ -24,6 +24,7 @@ fn full_training_from_scratch_writes_a_loadable_model() -> anyhow::Result<()> {
         ambiguous_fraction: 0.5,
         slot_colors: false,
         grid: 0,
+        icons: false,
     })?;
     // The test fixture's small config (its special-token ids are the byte-level tokenizer's).
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl/config.json");

@@ -43,6 +43,7 @@ fn episodes(dir: &Path, episodes: usize) -> PathBuf {
         ambiguous_fraction: 0.5,
         slot_colors: false,
         grid: 0,
+        icons: false,
     })
     .expect("synth");
     dir.join("train.jsonl")
@@ -73,6 +74,7 @@ fn data_options() -> DataOptions {
     DataOptions {
         prompt: PromptConfig { min_pixels: images.min_pixels, max_pixels: images.max_pixels, ..Default::default() },
         task_mode: Default::default(),
+        extra_task_modes: vec![],
         history_length: 0,
         max_seq_len: 8192,
         skip_bad_records: false,
