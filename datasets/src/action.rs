@@ -202,6 +202,20 @@ impl Action {
         }
     }
 
+    /// The same action without the element id of a click-like target that also has a point. An id only
+    /// means something to a model that is shown the element list; one that is not would learn ids from
+    /// their numbering instead (a world whose confirm button is always `e4` gives it away without a
+    /// look at the screen).
+    pub fn without_element(&self) -> Action {
+        let mut a = self.clone();
+        if let Action::Click(t) | Action::LongPress(t) | Action::DoubleClick(t) | Action::RightClick(t) = &mut a {
+            if t.xy().is_some() {
+                t.element = None;
+            }
+        }
+        a
+    }
+
     /// The same action with every point passed through `f` (a change of coordinate frame).
     pub fn map_points(&self, f: impl Fn(i32, i32) -> (i32, i32)) -> Action {
         let mut a = self.clone();

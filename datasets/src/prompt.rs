@@ -153,7 +153,8 @@ pub struct StepContext<'a> {
     pub system: SystemPrompt,
 }
 
-fn history_text(turns: &[Turn], frame: &FrameMap) -> String {
+/// The history lines; element ids only when the prompt lists the elements (`with_ids`).
+fn history_text(turns: &[Turn], frame: &FrameMap, with_ids: bool) -> String {
     let mut out = String::new();
     let mut n = 0;
     for t in turns {
@@ -161,7 +162,9 @@ fn history_text(turns: &[Turn], frame: &FrameMap) -> String {
             Turn::Agent { action: Action::Ask(a) } => out.push_str(&format!("ASK: {}\n", a.question)),
             Turn::Agent { action } => {
                 n += 1;
-                out.push_str(&format!("{n}. {}\n", frame.action_to_model(action).render()));
+                let a = frame.action_to_model(action);
+                let a = if with_ids { a } else { a.without_element() };
+                out.push_str(&format!("{n}. {}\n", a.render()));
             }
             Turn::Say { text } => out.push_str(&format!("SAY: {text}\n")),
         }
@@ -183,7 +186,9 @@ pub fn step_messages(ctx: &StepContext) -> Vec<ChatMessage> {
 
     let mut content = vec![Part::Text { text: format!("Task: {}\n", ctx.task) }];
     if !earlier.is_empty() {
-        content.push(Part::Text { text: format!("History:\n{}", history_text(earlier, &ctx.frame)) });
+        content.push(Part::Text {
+            text: format!("History:\n{}", history_text(earlier, &ctx.frame, ctx.elements.is_some())),
+        });
     }
     let (prev, cur) = ctx.screenshots.split_at(ctx.screenshots.len().saturating_sub(1));
     for (i, p) in prev.iter().enumerate() {
@@ -304,7 +309,9 @@ pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -
                 frame,
                 system: cfg.system_prompt,
             };
+            // Without the element list in the prompt, the target is the point alone.
             let target = frame.action_to_model(target);
+            let target = if elements.is_some() { target } else { target.without_element() };
             let mut messages = step_messages(&ctx);
             messages.push(ChatMessage::text("assistant", target.render(), true));
             out.push(Sample { episode: e.id.clone(), step: i, kind, messages, target });
@@ -470,6 +477,31 @@ mod tests {
         assert_eq!(r.images, [PathBuf::from("data/images/20.png")], "no earlier screenshots without history");
         let full = episode_samples(&ep, &cfg, TaskMode::Full).unwrap();
         assert_eq!(s[1].target, full[1].target, "the same action, in the same frame");
+    }
+
+    #[test]
+    fn element_ids_only_with_the_element_list() {
+        let mut ep = episode(false);
+        for s in ep.episode.steps.iter_mut() {
+            if let Action::Click(t) = &mut s.action {
+                t.element = Some("e4".into());
+            }
+            s.elements = Some(vec![crate::episode::Element {
+                id: "e4".into(),
+                role: "button".into(),
+                text: "Send".into(),
+                bbox: [0, 0, 50, 200],
+            }]);
+        }
+        let ids = |cfg: &PromptConfig| {
+            let s = episode_samples(&ep, cfg, TaskMode::Full).unwrap();
+            let last = render_chatml(&s[2].messages, false).text;
+            (s[2].target.target().unwrap().element.clone(), last.matches("\"element\":\"e4\"").count())
+        };
+        // Without the list the model cannot know ids: neither the target nor the history carries them.
+        assert_eq!(ids(&PromptConfig::default()), (None, 0));
+        // With it, the target and both earlier actions in the history name the element.
+        assert_eq!(ids(&PromptConfig { elements: true, ..Default::default() }), (Some("e4".into()), 3));
     }
 
     #[test]
