@@ -28,7 +28,7 @@
 //! Status: the targets are not met. Measured on the default run (282 test episodes): base SSR 0.459, 0.320
 //! with blank screens; LoRA+ASK Dual-Stream ASK F1 0.780, strict F1 0.756. The model learns the steps its
 //! history decides (`done`, typing the message) and finds the confirm button in whichever of three rows
-//! it sits about two times in three, but is near chance where it must match a word of the task with one of
+//! it sits 41-71% of the time, but is near chance where it must match a word of the task with one of
 //! several options on the screen: grounding takes more training than a 2-core CPU gives in 15 minutes.
 
 use std::path::{Path, PathBuf};
