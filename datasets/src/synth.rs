@@ -432,7 +432,7 @@ fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
         })
         .collect();
     let verb = if call { "Call" } else { "Message" };
-    let vid = &ids[verbs.iter().position(|v| *v == verb).expect("both drawn")];
+    let vid = &ids[verbs.iter().position(|v| *v == verb).expect("every action is drawn")];
     let open =
         Draft { action: click(&c, vid), canvas: c, informative: false, instruction: format!("Tap {verb}"), ask: None };
     let mut steps = vec![home(look, "Contacts", rng), person, open];

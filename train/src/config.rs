@@ -101,8 +101,9 @@ pub struct DataArgs {
     /// Skip (and count) unreadable lines and episodes with missing screenshots instead of stopping.
     #[arg(long, default_value_t = false)]
     pub skip_bad_records: bool,
-    /// Which task the samples use: the ambiguous one (with ask samples), always the full one, or each
-    /// step alone with its instruction as the task (`steps`: grounding practice).
+    /// Which samples the episodes give: the ambiguous task with its ask samples, always the full task,
+    /// each step alone with its instruction (`steps`), the questions and answers as bare text
+    /// (`language`) or each screen's element texts (`describe`); see askgui-data's `TaskMode`.
     #[arg(long, value_enum, default_value_t = TaskMode::Ambiguous)]
     pub task_mode: TaskMode,
     /// More samples of the same episodes in other task modes, mixed in (comma-separated), e.g.

@@ -148,15 +148,15 @@ pub fn load_dataset(
             }
         };
         let modes = std::iter::once(opts.task_mode).chain(opts.extra_task_modes.iter().copied());
-        let ep_samples =
-            match modes.map(|m| episode_samples(&ep, &opts.prompt, m)).collect::<std::result::Result<Vec<_>, _>>() {
-                Ok(s) => s.into_iter().flatten().collect::<Vec<_>>(),
-                Err(e) => {
-                    let err = TrainError::BadRecord { path: path.into(), line, reason: e.to_string() };
-                    skip(err, &mut stats)?;
-                    continue;
-                }
-            };
+        let built: std::result::Result<Vec<_>, _> = modes.map(|m| episode_samples(&ep, &opts.prompt, m)).collect();
+        let ep_samples = match built {
+            Ok(s) => s.into_iter().flatten().collect::<Vec<_>>(),
+            Err(e) => {
+                let err = TrainError::BadRecord { path: path.into(), line, reason: e.to_string() };
+                skip(err, &mut stats)?;
+                continue;
+            }
+        };
         for s in ep_samples {
             let mut messages = s.messages;
             if opts.history_length > 0 {
