@@ -122,7 +122,8 @@ const PAGES: [(&str, &str, &[&str]); 3] = [
 /// The settings page that no task opens.
 const DECOY_PAGE: &str = "Battery";
 
-/// Slot colours of `--slot-colors`: list row `i` and home-screen icon `i` are drawn in colour `i`.
+/// Slot colours of `--slot-colors`: list row `i` and home-screen icon `i` are drawn in colour `i` (row `i`
+/// in colour `i % 6`: an action button's row can be the seventh).
 const ROW_COLORS: [Rgb<u8>; 6] = [
     Rgb([255, 212, 212]),
     Rgb([208, 228, 255]),
@@ -186,9 +187,10 @@ pub fn badge_code(label: &str) -> Option<Badge> {
 pub struct Look {
     pub width: u32,
     pub height: u32,
-    /// Each slot (list row, home-screen icon) in a colour of its own, the same colour for the same slot on
-    /// every screen: a cue of *where* a label is that a model with no notion of absolute position (patch
-    /// features under RoPE carry none) can read in one glance. The labels still decide which slot to tap.
+    /// Each slot (list row, home-screen icon, and the first cell of an action button's row) in a colour of
+    /// its own, the same colour for the same slot on every screen: a cue of *where* a label is that a model
+    /// with no notion of absolute position (patch features under RoPE carry none) can read in one glance.
+    /// The labels still decide which slot to tap.
     pub slot_colors: bool,
     /// Snap the header, list rows and icons to multiples of this many pixels (0: no snapping). With the
     /// model's merged patch size (28 for Qwen2-VL and Qwen2.5-VL) and a screen the processor keeps
@@ -231,6 +233,20 @@ impl Look {
             Some(badge) => c.badged_widget(role, bbox, text, bg, fg, &badge, stacked),
             None => c.widget(role, bbox, text, bg, fg, stacked),
         }
+    }
+
+    /// The action button (Add to cart, Confirm, Send) in list row `row`; returns its id. With
+    /// `--slot-colors` the row's first cell (one grid cell, or a square) shows the row's slot colour and
+    /// the button fills the rest: the button's row is then as readable as a list row's, so that a model
+    /// with no absolute positions can tell in which of the rows it sits. Without, the button fills the row.
+    fn button(&self, c: &mut Canvas, row: usize, text: &str) -> String {
+        let [x1, y1, x2, y2] = c.row_box(row);
+        if !self.slot_colors {
+            return c.widget("button", [x1, y1, x2, y2], text, ACCENT, WHITE, true);
+        }
+        let cell = if c.grid > 0 { c.grid } else { y2 - y1 };
+        c.fill([x1, y1, x1 + cell, y2], ROW_COLORS[row % ROW_COLORS.len()]);
+        c.widget("button", [x1 + cell, y1, x2, y2], text, ACCENT, WHITE, true)
     }
 
     /// The fill of slot `i`: its own colour with `--slot-colors`, else the plain `base`.
@@ -334,8 +350,7 @@ fn confirm(look: Look, title: &str, lines: &[String], button: Option<&str>, rng:
     }
     let (action, instruction) = match button {
         Some(b) => {
-            let bx = c.row_box(lines.len() + 1 + rng.random_range(0..3));
-            let id = c.widget("button", bx, b, ACCENT, WHITE, true);
+            let id = look.button(&mut c, lines.len() + 1 + rng.random_range(0..3), b);
             (click(&c, &id), format!("Tap {b}"))
         }
         None => (Action::Done { status: DoneStatus::Success }, "The task is complete".to_string()),
@@ -449,7 +464,7 @@ fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
     let mut c = look.canvas();
     c.header(&format!("To {full}"));
     c.widget("textbox", c.row_box(0), "Type a message", FIELD, INK, false);
-    c.widget("button", c.row_box(send_row), "Send", ACCENT, WHITE, true);
+    look.button(&mut c, send_row, "Send");
     let compose = Draft {
         canvas: c,
         action: Action::Type { text: text.clone() },
@@ -465,7 +480,7 @@ fn contacts(look: Look, rng: &mut impl Rng) -> TaskDraft {
     let mut c = look.canvas();
     c.header(&format!("To {full}"));
     c.widget("textbox", c.row_box(0), &text, FIELD, INK, false);
-    let send = c.widget("button", c.row_box(send_row), "Send", ACCENT, WHITE, true);
+    let send = look.button(&mut c, send_row, "Send");
     let send =
         Draft { action: click(&c, &send), canvas: c, informative: false, instruction: "Tap Send".into(), ask: None };
     steps.extend([compose, send, confirm(look, "Sent", &[format!("Message to {full}")], None, rng)]);

@@ -216,3 +216,35 @@ fn badges_are_unique_across_the_world() -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&out);
     Ok(())
 }
+
+/// `--slot-colors`: an action button (Add to cart, Confirm, Send) leaves its row's first cell in the
+/// row's slot colour, so the row it sits in (one of three) can be read off the screen: the same row always
+/// shows the same colour, and the rows buttons use show different ones.
+#[test]
+fn action_buttons_show_their_row_colour() -> anyhow::Result<()> {
+    let out = tmp("button-rows");
+    let a = SynthArgs { width: 168, height: 308, slot_colors: true, grid: 28, icons: true, ..args(&out, 60, 3) };
+    let report = synth(&a)?;
+    let mut row_colour = std::collections::HashMap::new();
+    for (_, file, _) in &report.files {
+        for le in load_episodes(file)? {
+            for s in &le.episode.steps {
+                let img = image::open(out.join(&s.screenshot))?.to_rgb8();
+                let buttons = s.elements.as_ref().unwrap().iter().filter(|e| e.role == "button");
+                for e in buttons.filter(|e| ["Add to cart", "Confirm", "Send"].contains(&e.text.as_str())) {
+                    let [x1, y1, _, y2] = e.bbox;
+                    assert!(x1 >= 28, "{}: `{}` starts at x {x1}: no room for a slot cell", s.screenshot, e.text);
+                    let cell = *img.get_pixel((x1 - 14) as u32, ((y1 + y2) / 2) as u32);
+                    assert_ne!(cell, *img.get_pixel(2, ((y1 + y2) / 2) as u32), "{}: no slot cell", s.screenshot);
+                    let seen = *row_colour.entry(y1).or_insert(cell);
+                    assert_eq!(seen, cell, "{}: row at y {y1} in two colours", s.screenshot);
+                }
+            }
+        }
+    }
+    let colours: HashSet<_> = row_colour.values().collect();
+    assert!(row_colour.len() >= 4, "buttons in only {} rows", row_colour.len());
+    assert_eq!(colours.len(), row_colour.len(), "two button rows share a colour: {row_colour:?}");
+    let _ = std::fs::remove_dir_all(&out);
+    Ok(())
+}
