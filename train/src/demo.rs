@@ -38,7 +38,7 @@
 //! colour to coordinates) then gets no signal and the selection (task words to badge) has nothing to
 //! select with: the loss stays at the marginal for 400 steps of 16 and for 300 steps of 128. With only
 //! the target icon shown, the readout is learnt (test accuracy 1.00 after 300 steps at lr 1e-3, 0.68 at
-//! 3e-3, 0.20 at 1e-2); learnt first, it lifts the full screens only to 0.24 in 400 more steps. Neither a
+//! 3e-3, 0.20 at 1e-2); learnt first, it lifts the full screens only to 0.24 in 400 more steps, and 0.22 in 1,500. Neither a
 //! curriculum of screens with fewer icons, twice the heads, screen reading (`describe`) nor targets that
 //! first write the step's instruction broke the symmetry in 400-600 steps. Matching task words with what
 //! a screen shows takes a small model trained from scratch far more steps than a 2-core CPU gives in
