@@ -38,11 +38,11 @@
 //! colour to coordinates) then gets no signal and the selection (task words to badge) has nothing to
 //! select with: the loss stays at the marginal for 400 steps of 16 and for 300 steps of 128. With only
 //! the target icon shown, the readout is learnt (test accuracy 1.00 after 300 steps at lr 1e-3, 0.68 at
-//! 3e-3, 0.20 at 1e-2); learnt first, it lifts the full screens only to 0.24 in 400 more steps, and 0.22 in 1,500. Neither a
-//! curriculum of screens with fewer icons, twice the heads, screen reading (`describe`) nor targets that
-//! first write the step's instruction broke the symmetry in 400-600 steps. Matching task words with what
-//! a screen shows takes a small model trained from scratch far more steps than a 2-core CPU gives in
-//! 15 minutes.
+//! 3e-3, 0.20 at 1e-2); learnt first, it lifts the full screens only to 0.24 in 400 more steps, and to
+//! 0.22 in 1,500. Neither a curriculum of screens with fewer icons, more heads, screen reading
+//! (`describe`) nor targets that first write the step's instruction broke the symmetry in 400-600 steps.
+//! Matching task words with what a screen shows takes a small model trained from scratch more than a
+//! 2-core CPU gives in 15 minutes, and more than steps alone.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -104,8 +104,8 @@ pub struct DemoArgs {
     /// Optimiser steps of the base training (from scratch).
     #[arg(long, default_value_t = 1200)]
     pub base_steps: usize,
-    /// Peak learning rate of the base training. Reading *where* something is off the screen (a slot
-    /// colour to the coordinates) is learnt at 1e-3-2e-3 and not at 3e-3 (the action buttons at chance),
+    /// Peak learning rate of the base training. Reading where a thing is on the screen (its slot colour,
+    /// to the coordinates) is learnt at 1e-3 and 2e-3 and not at 3e-3 (the action buttons at chance),
     /// while copying the message text into `type` needs 2e-3 or more; see the module doc.
     #[arg(long, default_value_t = 2e-3)]
     pub base_lr: f64,
