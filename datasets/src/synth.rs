@@ -245,7 +245,7 @@ impl Look {
             return c.widget("button", [x1, y1, x2, y2], text, ACCENT, WHITE, true);
         }
         let cell = if c.grid > 0 { c.grid } else { y2 - y1 };
-        c.fill([x1, y1, x1 + cell, y2], ROW_COLORS[row % ROW_COLORS.len()]);
+        c.fill([x1, y1, x1 + cell, y2], self.slot_color(row, ROW, &ROW_COLORS));
         c.widget("button", [x1 + cell, y1, x2, y2], text, ACCENT, WHITE, true)
     }
 
