@@ -179,6 +179,7 @@ fn main() -> Result<()> {
                 ids,
                 pixel_values: Some(pixel_values.clone()),
                 grid_thw: vec![processed.grid_thw],
+                region_targets: vec![],
             }
         })
         .collect();
@@ -211,7 +212,7 @@ fn main() -> Result<()> {
         let t0 = Instant::now();
         let (loss, grads) = match args.path {
             PathKind::Ops => {
-                let opts = StepOptions { checkpointing: args.checkpointing, dropout_seed: n };
+                let opts = StepOptions { checkpointing: args.checkpointing, dropout_seed: n, ..Default::default() };
                 let out = model.loss_and_grads(&batch, &opts)?;
                 (out.loss, out.grads)
             }

@@ -11,6 +11,10 @@
 //! every stage's graph; the cost is one more forward of every stage but the last. Without checkpointing
 //! the same chain runs as one graph and one `backward`, so the two modes can be tested against each other.
 //!
+//! A stage may also return a side loss (a scalar, e.g. an auxiliary loss on an intermediate layer): the
+//! chain's loss is the last stage's output plus every side loss, and in the backward stage `i`
+//! backpropagates `sum(stage_i(x_i) * g_{i+1}) + side_i`.
+//!
 //! Stages before the first one with parameters need no gradient: they run once, without a graph. Either
 //! way the returned [`GradStore`] holds the parameters' gradients and nothing else (candle's own store
 //! also keeps gradients of constants such as rotary tables and dropout masks).
@@ -20,8 +24,8 @@ use candle_core::{Tensor, Var};
 
 use crate::error::{ModelError, Result};
 
-/// A stage's function: the previous stage's output to this stage's.
-type StageFn<'a> = Box<dyn Fn(&Tensor) -> Result<Tensor> + 'a>;
+/// A stage's function: the previous stage's output to this stage's, and its side loss if it has one.
+type StageFn<'a> = Box<dyn Fn(&Tensor) -> Result<(Tensor, Option<Tensor>)> + 'a>;
 
 /// One link of the chain.
 pub(crate) struct Stage<'a> {
@@ -32,28 +36,60 @@ pub(crate) struct Stage<'a> {
 
 impl<'a> Stage<'a> {
     pub fn new(has_params: bool, f: impl Fn(&Tensor) -> Result<Tensor> + 'a) -> Self {
-        Self { has_params, f: Box::new(f) }
+        Self { has_params, f: Box::new(move |x: &Tensor| Ok((f(x)?, None))) }
     }
+
+    /// A stage that also returns a side loss (a scalar) added to the chain's loss.
+    pub fn with_side_loss(has_params: bool, f: impl Fn(&Tensor) -> Result<(Tensor, Tensor)> + 'a) -> Self {
+        Self {
+            has_params,
+            f: Box::new(move |x: &Tensor| {
+                let (y, side) = f(x)?;
+                Ok((y, Some(side)))
+            }),
+        }
+    }
+}
+
+/// `a + b` where either may be absent.
+fn add(a: Option<Tensor>, b: Option<Tensor>) -> Result<Option<Tensor>> {
+    Ok(match (a, b) {
+        (Some(a), Some(b)) => Some((a + b)?),
+        (a, b) => a.or(b),
+    })
 }
 
 /// Runs the chain without any gradient: each stage's output is detached, so its graph (built when
-/// parameters are `Var`s) is dropped as soon as the next stage has run. Returns the last stage's output.
-pub(crate) fn forward(x0: &Tensor, stages: &[Stage]) -> Result<Tensor> {
+/// parameters are `Var`s) is dropped as soon as the next stage has run. Returns the last stage's output
+/// and the sum of the side losses (detached), if any.
+pub(crate) fn forward(x0: &Tensor, stages: &[Stage]) -> Result<(Tensor, Option<Tensor>)> {
     let mut x = x0.detach();
+    let mut sides = None;
     for s in stages {
-        x = (s.f)(&x)?.detach();
+        let (y, side) = (s.f)(&x)?;
+        x = y.detach();
+        sides = add(sides, side.map(|t| t.detach()))?;
     }
-    Ok(x)
+    Ok((x, sides))
 }
 
-/// Runs the chain as one graph (no checkpointing) and returns its output, for a caller that runs
-/// candle's `backward` itself.
+/// The loss of a chain whose last stage returns a scalar: that scalar plus the side losses.
+pub(crate) fn forward_loss(x0: &Tensor, stages: &[Stage]) -> Result<Tensor> {
+    let (x, sides) = forward(x0, stages)?;
+    Ok(add(Some(x), sides)?.expect("present"))
+}
+
+/// Runs the chain as one graph (no checkpointing) and returns its output plus its side losses, for a
+/// caller that runs candle's `backward` itself.
 pub(crate) fn graph(x0: &Tensor, stages: &[Stage]) -> Result<Tensor> {
     let mut x = x0.detach();
+    let mut sides = None;
     for s in stages {
-        x = (s.f)(&x)?;
+        let (y, side) = (s.f)(&x)?;
+        x = y;
+        sides = add(sides, side)?;
     }
-    Ok(x)
+    Ok(add(Some(x), sides)?.expect("present"))
 }
 
 /// Runs the chain and its backward. The last stage must return a scalar (the loss); `params` are the
@@ -69,33 +105,40 @@ pub(crate) fn forward_backward(
     };
     // Stages before the first with parameters: no graph, no recompute.
     let first = stages.iter().position(|s| s.has_params).unwrap_or(last);
-    let mut x = forward(x0, &stages[..first])?;
+    // Side losses of the leading stages are constants: they count in the loss, not in the gradients.
+    let (mut x, lead) = forward(x0, &stages[..first])?;
     let mut out = GradStore::default();
     if !checkpointing {
-        let x = graph(&x, &stages[first..])?;
-        let grads = x.backward()?;
+        let loss = graph(&x, &stages[first..])?;
+        let grads = loss.backward()?;
         collect(&grads, params, &mut out)?;
-        return Ok((x.detach(), out));
+        return Ok((add(Some(loss.detach()), lead)?.expect("present"), out));
     }
     let mut inputs = Vec::with_capacity(last - first + 1);
     for s in &stages[first..last] {
         inputs.push(x.clone());
-        x = (s.f)(&x)?.detach();
+        x = (s.f)(&x)?.0.detach();
     }
     inputs.push(x);
-    let mut loss = None;
+    let mut loss = lead;
     let mut g: Option<Tensor> = None;
     for (i, input) in (first..last + 1).zip(inputs).rev() {
         // The first differentiable stage's input needs no gradient: it stays a constant.
         let leaf = if i > first { Some(Var::from_tensor(&input)?) } else { None };
-        let y = (stages[i].f)(leaf.as_ref().map(|v| v.as_tensor()).unwrap_or(&input))?;
-        let grads = match &g {
+        let (y, side) = (stages[i].f)(leaf.as_ref().map(|v| v.as_tensor()).unwrap_or(&input))?;
+        let mut objective = match &g {
             None => {
-                loss = Some(y.detach());
-                y.backward()?
+                // The last stage: its output is the loss.
+                loss = add(loss, Some(y.detach()))?;
+                y
             }
-            Some(g) => (y * g)?.sum_all()?.backward()?,
+            Some(g) => (y * g)?.sum_all()?,
         };
+        if let Some(side) = side {
+            loss = add(loss, Some(side.detach()))?;
+            objective = (objective + side)?;
+        }
+        let grads = objective.backward()?;
         collect(&grads, params, &mut out)?;
         if let Some(leaf) = leaf {
             g = Some(match grads.get(leaf.as_tensor()) {
@@ -173,6 +216,39 @@ mod tests {
         let d = (g2.get(w[0].as_tensor()).unwrap() - want)?.abs()?.max_all()?.to_scalar::<f64>()?;
         assert!(d < 1e-12, "dL/dw0 differs from the analytic value by {d}");
         assert_eq!(g2.get_ids().count(), 3, "only the parameters' gradients are kept");
+        Ok(())
+    }
+
+    /// A side loss on a middle stage: both modes give the loss `sum(x2 * w2) + k * sum(x1)` and its
+    /// analytic gradients.
+    #[test]
+    fn side_losses_add_to_the_loss_and_its_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        let x0 = Tensor::new(&[0.3f64, -1.2, 0.7], &dev)?;
+        let w: Vec<Var> = [[0.5, 1.5, -0.5], [1.0, 2.0, 3.0]].iter().map(|v| Var::new(v, &dev).unwrap()).collect();
+        let k = 0.25;
+        let stages = vec![
+            Stage::with_side_loss(true, |x: &Tensor| {
+                let y = (x * w[0].as_tensor())?.tanh()?;
+                let side = (y.sum_all()? * k)?;
+                Ok((y, side))
+            }),
+            Stage::new(true, |x: &Tensor| Ok((x * w[1].as_tensor())?.sum_all()?)),
+        ];
+        let t = (&x0 * w[0].as_tensor())?.tanh()?;
+        let want_loss = ((&t * w[1].as_tensor())?.sum_all()? + (t.sum_all()? * k)?)?.to_scalar::<f64>()?;
+        // dL/dw0 = (w1 + k) * (1 - t^2) * x0; dL/dw1 = t.
+        let want_g0 = ((w[1].as_tensor() + k)? * (1.0 - t.sqr()?)?)?.mul(&x0)?;
+        for checkpointing in [false, true] {
+            let (loss, g) = forward_backward(&x0, &stages, &w, checkpointing)?;
+            assert!((loss.to_scalar::<f64>()? - want_loss).abs() < 1e-14, "loss, checkpointing {checkpointing}");
+            for (v, want) in [(&w[0], &want_g0), (&w[1], &t)] {
+                let d = (g.get(v.as_tensor()).unwrap() - want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+                assert!(d < 1e-14, "gradient off by {d}, checkpointing {checkpointing}");
+            }
+        }
+        assert!((forward_loss(&x0, &stages)?.to_scalar::<f64>()? - want_loss).abs() < 1e-14);
+        assert!((graph(&x0, &stages)?.to_scalar::<f64>()? - want_loss).abs() < 1e-14);
         Ok(())
     }
 

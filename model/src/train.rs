@@ -87,6 +87,11 @@ pub struct TrainExample {
     /// `(P, patch_dim)` rows of this sequence's images, in order; `None` for a text-only sequence.
     pub pixel_values: Option<Tensor>,
     pub grid_thw: Vec<[usize; 3]>,
+    /// Auxiliary targets `(t, token)`: position `t` (an image token) predicts `token` (e.g. a word of the
+    /// widget it shows) from the hidden state after decoder layer [`StepOptions::region_layer`], through
+    /// the final norm and the LM head. Their mean loss, times [`StepOptions::region_weight`], is added to
+    /// the loss; empty for none.
+    pub region_targets: Vec<(usize, u32)>,
 }
 
 /// How [`Qwen2Vl::loss_and_grads`] runs.
@@ -96,11 +101,16 @@ pub struct StepOptions {
     pub checkpointing: bool,
     /// Seeds the LoRA dropout masks (pass e.g. the step number).
     pub dropout_seed: u64,
+    /// Weight of the mean region loss ([`TrainExample::region_targets`]) added to the mean next-token
+    /// loss; 0 leaves the region targets out.
+    pub region_weight: f64,
+    /// The decoder layer (1-based, at most the depth) whose output the region loss reads.
+    pub region_layer: usize,
 }
 
 impl Default for StepOptions {
     fn default() -> Self {
-        Self { checkpointing: true, dropout_seed: 0 }
+        Self { checkpointing: true, dropout_seed: 0, region_weight: 0.0, region_layer: 1 }
     }
 }
 
@@ -338,7 +348,7 @@ impl Qwen2Vl {
             params.extend(self.base_vars()?.into_iter().map(|(_, v)| v));
         }
         let ctx = self.train_ctx(opts.dropout_seed)?;
-        let chain = self.train_chain(batch, &ctx)?;
+        let chain = self.train_chain(batch, &ctx, (opts.region_weight, opts.region_layer))?;
         let (loss, grads) = grad_checkpoint::forward_backward(&chain.x0, &chain.stages, &params, opts.checkpointing)?;
         Ok(StepOutput {
             loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
@@ -352,7 +362,7 @@ impl Qwen2Vl {
     /// in it for gradients of base weights).
     pub fn loss(&self, batch: &[TrainExample], dropout_seed: u64) -> Result<Tensor> {
         let ctx = self.train_ctx(dropout_seed)?;
-        let chain = self.train_chain(batch, &ctx)?;
+        let chain = self.train_chain(batch, &ctx, (0.0, 0))?;
         grad_checkpoint::graph(&chain.x0, &chain.stages)
     }
 
@@ -360,8 +370,8 @@ impl Qwen2Vl {
     /// outlives a stage. Dropout is off. Returns the mean loss and the number of supervised tokens.
     pub fn eval_loss(&self, batch: &[TrainExample]) -> Result<(f64, usize)> {
         let ctx = TrainCtx::new(0.0, 0)?;
-        let chain = self.train_chain(batch, &ctx)?;
-        let loss = grad_checkpoint::forward(&chain.x0, &chain.stages)?;
+        let chain = self.train_chain(batch, &ctx, (0.0, 0))?;
+        let loss = grad_checkpoint::forward_loss(&chain.x0, &chain.stages)?;
         Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, chain.supervised))
     }
 
@@ -376,8 +386,14 @@ impl Qwen2Vl {
     /// The training forward of `batch` as a chain of stages: the vision blocks, the merger with the
     /// embedding, the decoder layers, and the head with the loss. Sequences are right-padded to the
     /// longest: with causal attention a real token never sees a pad, so no padding mask is needed, and the
-    /// pads are not supervised.
-    fn train_chain<'a>(&'a self, batch: &[TrainExample], ctx: &'a TrainCtx) -> Result<Chain<'a>> {
+    /// pads are not supervised. With `region = (weight, layer)` and a positive weight, decoder layer
+    /// `layer` adds the weighted mean loss of the batch's region targets as a side loss.
+    fn train_chain<'a>(
+        &'a self,
+        batch: &[TrainExample],
+        ctx: &'a TrainCtx,
+        (region_weight, region_layer): (f64, usize),
+    ) -> Result<Chain<'a>> {
         let (b, t) = (batch.len(), batch.iter().map(|e| e.ids.len()).max().unwrap_or(0));
         if b == 0 {
             return Err(ModelError::Train("the batch is empty".into()));
@@ -385,6 +401,8 @@ impl Qwen2Vl {
         let mut ids = vec![0u32; b * t];
         let mut labels = vec![0u32; b * (t - 1)];
         let mut mask = vec![0f32; b * (t - 1)];
+        // Region targets: rows of the flattened (B T) hidden states and their tokens.
+        let (mut region_rows, mut region_labels) = (Vec::new(), Vec::new());
         let mut positions = Vec::with_capacity(b);
         let (mut pixels, mut grids) = (vec![], vec![]);
         for (i, e) in batch.iter().enumerate() {
@@ -399,6 +417,17 @@ impl Qwen2Vl {
             for j in 1..n {
                 labels[i * (t - 1) + j - 1] = e.ids[j];
                 mask[i * (t - 1) + j - 1] = e.labels_mask[j] as u8 as f32;
+            }
+            if region_weight > 0.0 {
+                for &(p, tok) in &e.region_targets {
+                    if p >= n {
+                        return Err(ModelError::Train(format!(
+                            "sequence {i}: a region target at position {p} is past its {n} tokens"
+                        )));
+                    }
+                    region_rows.push((i * t + p) as u32);
+                    region_labels.push(tok);
+                }
             }
             let (mut pos, _) = mrope_positions(&e.ids, &e.grid_thw, &self.cfg)?;
             pos.resize(t, [0; 3]);
@@ -432,6 +461,15 @@ impl Qwen2Vl {
         let ids = Tensor::from_vec(ids, (b, t), dev)?;
         let labels = Tensor::from_vec(labels, b * (t - 1), dev)?;
         let mask = Tensor::from_vec(mask, b * (t - 1), dev)?;
+        let region = match region_rows.len() {
+            0 => None,
+            k => Some((
+                Tensor::from_vec(region_rows, k, dev)?,
+                Tensor::from_vec(region_labels, k, dev)?,
+                Tensor::ones(k, DType::F32, dev)?,
+            )),
+        };
+        let region_at = region_layer.clamp(1, self.text.depth()) - 1;
         let full = ctx.full;
         let trainable =
             |ls: Vec<&Linear>| full || ls.iter().any(|l| l.lora.active_delta().is_some_and(|d| d.a.is_variable()));
@@ -467,20 +505,35 @@ impl Qwen2Vl {
             x0
         };
         let rope = std::rc::Rc::new(rope);
+        // The LM head over (N, H) hidden rows.
+        let head = move |h: &Tensor| -> Result<Tensor> {
+            Ok(match full {
+                true => h.matmul(&self.lm_head.t()?)?,
+                false => ops::frozen_linear(h, &self.lm_head)?,
+            })
+        };
+        let mut region = region;
         for i in 0..self.text.depth() {
             let rope = rope.clone();
-            stages.push(Stage::new(trainable(self.text.layer_linears(i)), move |x: &Tensor| {
-                self.text.layer(i, x, &rope, None, None, Some(ctx))
-            }));
+            let has_params = trainable(self.text.layer_linears(i));
+            match region.take_if(|_| i == region_at) {
+                Some((rows, labels, ones)) => stages.push(Stage::with_side_loss(has_params, move |x: &Tensor| {
+                    let y = self.text.layer(i, x, &rope, None, None, Some(ctx))?;
+                    // (B, T, H) -> (B T, H) -> (K, H): the region rows, through the final norm and the head.
+                    let h = y.reshape((b * t, ()))?.index_select(&rows, 0)?;
+                    let logits = head(&self.text.final_norm(&h, Some(ctx))?)?;
+                    let side = (ops::cross_entropy_masked(&logits, &labels, &ones)? * region_weight)?;
+                    Ok((y, side))
+                })),
+                None => stages.push(Stage::new(has_params, move |x: &Tensor| {
+                    self.text.layer(i, x, &rope, None, None, Some(ctx))
+                })),
+            }
         }
         stages.push(Stage::new(full, move |x: &Tensor| {
             // (B, T, H) -> (B, T - 1, H) -> (B (T - 1), V): the logits at t - 1 predict token t.
             let h = self.text.final_norm(x, Some(ctx))?.narrow(1, 0, t - 1)?.reshape((b * (t - 1), ()))?;
-            let logits = match full {
-                true => h.matmul(&self.lm_head.t()?)?,
-                false => ops::frozen_linear(&h, &self.lm_head)?,
-            };
-            Ok(ops::cross_entropy_masked(&logits, &labels, &mask)?)
+            Ok(ops::cross_entropy_masked(&head(&h)?, &labels, &mask)?)
         }));
         Ok(Chain { x0, stages, supervised })
     }

@@ -47,6 +47,7 @@ impl Case {
             labels_mask: self.mask.clone(),
             pixel_values: Some(self.pv.clone()),
             grid_thw: self.grid.clone(),
+            region_targets: vec![],
         }
     }
 
@@ -56,7 +57,9 @@ impl Case {
     }
 
     fn step(&self, checkpointing: bool, dropout_seed: u64) -> anyhow::Result<StepOutput> {
-        Ok(self.model.loss_and_grads(&[self.example()], &StepOptions { checkpointing, dropout_seed })?)
+        Ok(self
+            .model
+            .loss_and_grads(&[self.example()], &StepOptions { checkpointing, dropout_seed, ..Default::default() })?)
     }
 }
 
@@ -253,6 +256,7 @@ fn batched_loss_and_gradients_match_peft() -> anyhow::Result<()> {
             ids: seq,
             pixel_values: Some(pv.narrow(0, row, rows)?),
             grid_thw,
+            region_targets: vec![],
         });
         row += rows;
     }
