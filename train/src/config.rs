@@ -142,6 +142,21 @@ pub struct DataArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     #[serde(default = "one")]
     pub ask_repeat: u32,
+    /// Weight of the region-word loss (0: off): each image token inside a listed element's box also
+    /// predicts one word of that element's text, as grounded pretraining aligns regions with words.
+    /// Needs episodes with elements; the validation loss leaves it out.
+    #[arg(long, default_value_t = 0.0)]
+    #[serde(default)]
+    pub region_weight: f64,
+    /// The decoder layer (1-based) whose output the region loss reads: an early one, so that later
+    /// layers can use what it has to know (clamped to the model's depth).
+    #[arg(long, default_value_t = 1)]
+    #[serde(default = "one_usize")]
+    pub region_layer: usize,
+}
+
+fn one_usize() -> usize {
+    1
 }
 
 fn one() -> u32 {
@@ -412,6 +427,12 @@ impl TrainConfig {
         }
         if self.data.data.is_none() {
             return bad("no training data: pass --data FILE.jsonl (or `data = ...` under [data] in --config)".into());
+        }
+        if !(self.data.region_weight.is_finite() && self.data.region_weight >= 0.0) {
+            return bad(format!("--region-weight is {}; it must be >= 0 (0: off)", self.data.region_weight));
+        }
+        if self.data.region_layer == 0 {
+            return bad("--region-layer counts decoder layers from 1".into());
         }
         let (l, o) = (&self.lora, &self.optim);
         if l.lora_rank == 0 {

@@ -47,6 +47,8 @@ pub struct DataOptions {
     /// 1 keeps the natural mix. Asks are a small share of the steps (~12% in the demo's world), and a
     /// model learns when to ask from them alone.
     pub ask_repeat: usize,
+    /// Build each sample's region-word targets ([`PreparedSample::region_targets`]).
+    pub region_words: bool,
 }
 
 /// One tokenised training sample whose pixels are not decoded yet.
@@ -60,6 +62,9 @@ pub struct PreparedSample {
     pub labels_mask: Vec<bool>,
     pub images: Vec<PathBuf>,
     pub grids: Vec<[usize; 3]>,
+    /// `(t, token)`: image token `t` lies inside a listed element whose text has `token` (see
+    /// [`region_words`]); empty unless [`DataOptions::region_words`].
+    pub region_targets: Vec<(usize, u32)>,
 }
 
 impl PreparedSample {
@@ -147,6 +152,10 @@ pub fn load_dataset(
                 continue;
             }
         };
+        let words = match opts.region_words {
+            true => element_words(tokenizer, &ep)?,
+            false => Vec::new(),
+        };
         let modes = std::iter::once(opts.task_mode).chain(opts.extra_task_modes.iter().copied());
         let built: std::result::Result<Vec<_>, _> = modes.map(|m| episode_samples(&ep, &opts.prompt, m)).collect();
         let ep_samples = match built {
@@ -164,16 +173,16 @@ pub fn load_dataset(
             }
             let mut truncated = false;
             let encoded = loop {
-                let (ids, mask, imgs) = encode(tokenizer, &messages, &tokens)?;
-                if ids.len() <= opts.max_seq_len {
-                    break Some((ids, mask, imgs));
+                let enc = encode(tokenizer, &messages, &tokens)?;
+                if enc.ids.len() <= opts.max_seq_len {
+                    break Some(enc);
                 }
                 if !drop_oldest_history(&mut messages) {
                     break None;
                 }
                 truncated = true;
             };
-            let Some((ids, labels_mask, imgs)) = encoded else {
+            let Some(Encoded { ids, mask: labels_mask, images: imgs, starts }) = encoded else {
                 tracing::warn!(
                     "{}:{line}: episode `{}` step {}: longer than --max-seq-len {} even without history; left out",
                     path.display(),
@@ -185,9 +194,32 @@ pub fn load_dataset(
                 continue;
             };
             stats.truncated += truncated as usize;
-            let grids = imgs.iter().map(|p| tokens[p].0).collect();
-            let sample =
-                PreparedSample { episode: s.episode, line, step: s.step, ids, labels_mask, images: imgs, grids };
+            let grids = imgs.iter().map(|p| tokens[p].grid).collect();
+            let mut region_targets = Vec::new();
+            if opts.region_words {
+                let marker = s.target.target().map(|_| tokenizer.encode(s.target.name())).transpose()?;
+                for (k, (p, &start)) in imgs.iter().zip(&starts).enumerate() {
+                    let info = &tokens[p];
+                    let step = &words[info.step];
+                    // The element the target acts on, on the current screenshot only.
+                    let mark = match (&marker, step.target) {
+                        (Some(m), Some(t)) if k + 1 == imgs.len() && info.step == s.step => m.first().map(|&m| (t, m)),
+                        _ => None,
+                    };
+                    let merge = images.geometry.merge_size;
+                    region_words(info, &step.elements, mark, merge, start, &mut region_targets);
+                }
+            }
+            let sample = PreparedSample {
+                episode: s.episode,
+                line,
+                step: s.step,
+                ids,
+                labels_mask,
+                images: imgs,
+                grids,
+                region_targets,
+            };
             let copies = if s.kind == SampleKind::Ask { opts.ask_repeat.max(1) } else { 1 };
             stats.tokens += copies * sample.ids.len();
             stats.supervised_tokens += copies * sample.supervised_tokens();
@@ -201,8 +233,19 @@ pub fn load_dataset(
     Ok(Dataset { path: path.into(), samples, stats })
 }
 
-/// Each screenshot's grid `[t, h, w]` and its number of `<|image_pad|>` tokens.
-type ImageTokens = HashMap<PathBuf, ([usize; 3], usize)>;
+/// What the prompt needs to know of a screenshot before its pixels are decoded.
+struct ImageInfo {
+    /// `[t, h, w]` in patches, after `smart_resize`.
+    grid: [usize; 3],
+    /// Its number of `<|image_pad|>` tokens.
+    pads: usize,
+    /// The step it shows.
+    step: usize,
+    /// Width and height in pixels, as the file is.
+    size: (u32, u32),
+}
+
+type ImageTokens = HashMap<PathBuf, ImageInfo>;
 
 /// The grid and pad count of every screenshot of `ep`, from the image headers, and how many screenshots
 /// differ in size from the episode's `screen`.
@@ -222,9 +265,9 @@ fn image_tokens(file: &Path, ep: &LoadedEpisode, cfg: &ImageProcessorConfig) -> 
         if !image.is_file() {
             return Err(err("does not exist".into()));
         }
-        let (w, h) = image::image_dimensions(&image).map_err(|e| err(format!("is not a readable image: {e}")))?;
-        mismatched += ((w, h) != (ep.episode.screen.width, ep.episode.screen.height)) as usize;
-        let (w, h) = (w as usize, h as usize);
+        let size = image::image_dimensions(&image).map_err(|e| err(format!("is not a readable image: {e}")))?;
+        mismatched += (size != (ep.episode.screen.width, ep.episode.screen.height)) as usize;
+        let (w, h) = (size.0 as usize, size.1 as usize);
         if w * h > cfg.max_input_pixels || w.min(h) < cfg.min_side {
             return Err(err(format!("is {w}x{h}, outside the image processor's limits")));
         }
@@ -232,17 +275,23 @@ fn image_tokens(file: &Path, ep: &LoadedEpisode, cfg: &ImageProcessorConfig) -> 
         let (nh, nw) = askgui_kernels::smart_resize(h, w, g.factor(), cfg.min_pixels, cfg.max_pixels)
             .map_err(|e| err(e.to_string()))?;
         let grid = [1, nh / g.patch_size, nw / g.patch_size];
-        out.insert(image, (grid, grid.iter().product::<usize>() / (g.merge_size * g.merge_size)));
+        let pads = grid.iter().product::<usize>() / (g.merge_size * g.merge_size);
+        out.insert(image, ImageInfo { grid, pads, step, size });
     }
     Ok((out, mismatched))
 }
 
+/// A rendered and tokenised sample.
+struct Encoded {
+    ids: Vec<u32>,
+    mask: Vec<bool>,
+    /// The screenshots in prompt order, and where each one's pads start in `ids`.
+    images: Vec<PathBuf>,
+    starts: Vec<usize>,
+}
+
 /// Token ids, the loss mask and the images in order, for rendered messages.
-fn encode(
-    tok: &QwenTokenizer,
-    messages: &[ChatMessage],
-    tokens: &ImageTokens,
-) -> Result<(Vec<u32>, Vec<bool>, Vec<PathBuf>)> {
+fn encode(tok: &QwenTokenizer, messages: &[ChatMessage], tokens: &ImageTokens) -> Result<Encoded> {
     let r = render_chatml(messages, false);
     // (start, end, supervised) pieces covering the text.
     let mut pieces = Vec::new();
@@ -253,18 +302,20 @@ fn encode(
         at = s.end;
     }
     pieces.push((at, r.text.len(), false));
-    let mut counts = r.images.iter().map(|p| tokens.get(p).map(|t| t.1));
-    let (mut ids, mut mask) = (Vec::new(), Vec::new());
+    let mut counts = r.images.iter().map(|p| tokens.get(p).map(|t| t.pads));
+    let (mut ids, mut mask, mut starts) = (Vec::new(), Vec::new(), Vec::new());
     for (a, b, sup) in pieces {
         if a == b {
             continue;
         }
         for t in tok.encode(&r.text[a..b])? {
             let n = if t == tok.image_pad_id {
-                counts
+                let n = counts
                     .next()
                     .flatten()
-                    .ok_or_else(|| TrainError::Data("the prompt has more image placeholders than images".into()))?
+                    .ok_or_else(|| TrainError::Data("the prompt has more image placeholders than images".into()))?;
+                starts.push(ids.len());
+                n
             } else {
                 1
             };
@@ -275,7 +326,86 @@ fn encode(
     if counts.next().is_some() {
         return Err(TrainError::Data("the prompt has fewer image placeholders than images".into()));
     }
-    Ok((ids, mask, r.images))
+    Ok(Encoded { ids, mask, images: r.images, starts })
+}
+
+/// A listed element's box and the token ids of its text.
+type ElementWords = ([i32; 4], Vec<u32>);
+
+/// One step's elements with words, and which of them its action acts on.
+struct StepWords {
+    elements: Vec<ElementWords>,
+    /// Index into `elements` of the smallest one that contains the action's point.
+    target: Option<usize>,
+}
+
+/// Each step's elements with the token ids of their text, as the task spells it where the task names
+/// the element ("Buy oat milk" for a row "Oat milk"), with a leading space as inside a sentence.
+fn element_words(tok: &QwenTokenizer, ep: &LoadedEpisode) -> Result<Vec<StepWords>> {
+    let task = &ep.episode.task;
+    let lower = task.to_ascii_lowercase();
+    let mut out = Vec::with_capacity(ep.episode.steps.len());
+    for step in &ep.episode.steps {
+        let mut words = Vec::new();
+        for e in step.elements.iter().flatten() {
+            let text = e.text.trim();
+            if text.is_empty() {
+                continue;
+            }
+            // ASCII lowercasing keeps byte offsets, so the match indexes the task itself.
+            let phrase = match lower.find(&text.to_ascii_lowercase()) {
+                Some(at) => &task[at..at + text.len()],
+                None => text,
+            };
+            let ids = tok.encode(&format!(" {phrase}"))?;
+            if !ids.is_empty() {
+                words.push((e.bbox, ids));
+            }
+        }
+        let point = step.action.target().and_then(|t| t.xy());
+        let target = point.and_then(|(x, y)| smallest_containing(&words, x, y));
+        out.push(StepWords { elements: words, target });
+    }
+    Ok(out)
+}
+
+/// The smallest element whose box contains pixel `(x, y)`.
+fn smallest_containing(words: &[ElementWords], x: i32, y: i32) -> Option<usize> {
+    let area = |b: &[i32; 4]| (b[2] - b[0]) as i64 * (b[3] - b[1]) as i64;
+    let inside = words.iter().enumerate().filter(|(_, (b, _))| x >= b[0] && x < b[2] && y >= b[1] && y < b[3]);
+    inside.min_by_key(|(_, (b, _))| area(b)).map(|(i, _)| i)
+}
+
+/// Appends the region-word targets of one screenshot whose pads start at sequence position `start`: each
+/// merged token (row-major over the merged grid) whose centre, mapped back to the file's pixels, lies in
+/// an element (the smallest, where boxes nest) gets one of that element's words, the element's tokens
+/// taking its words in turn; with `mark = (element, token)`, that element's tokens get `token` instead.
+fn region_words(
+    info: &ImageInfo,
+    words: &[ElementWords],
+    mark: Option<(usize, u32)>,
+    merge: usize,
+    start: usize,
+    out: &mut Vec<(usize, u32)>,
+) {
+    let (rows, cols) = (info.grid[1] / merge, info.grid[2] / merge);
+    // Merged-token pitch in file pixels (the processor resized the file to the grid).
+    let (sx, sy) = (info.size.0 as f64 / cols as f64, info.size.1 as f64 / rows as f64);
+    let mut seen = vec![0usize; words.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            let (x, y) = (((c as f64 + 0.5) * sx) as i32, ((r as f64 + 0.5) * sy) as i32);
+            if let Some(i) = smallest_containing(words, x, y) {
+                let ids = &words[i].1;
+                let token = match mark {
+                    Some((m, t)) if m == i => t,
+                    _ => ids[seen[i] % ids.len()],
+                };
+                out.push((start + r * cols + c, token));
+                seen[i] += 1;
+            }
+        }
+    }
 }
 
 /// The user message's content (the one with the task, history and screenshots).
@@ -343,7 +473,13 @@ pub fn example(s: &PreparedSample, cfg: &ImageProcessorConfig, device: &Device) 
         pixels.push(img.pixel_tensor(device)?);
     }
     let pixel_values = if pixels.is_empty() { None } else { Some(Tensor::cat(&pixels, 0)?) };
-    Ok(TrainExample { ids: s.ids.clone(), labels_mask: s.labels_mask.clone(), pixel_values, grid_thw: s.grids.clone() })
+    Ok(TrainExample {
+        ids: s.ids.clone(),
+        labels_mask: s.labels_mask.clone(),
+        pixel_values,
+        grid_thw: s.grids.clone(),
+        region_targets: s.region_targets.clone(),
+    })
 }
 
 /// Where a run is in its data: the epoch and the next index into that epoch's order.

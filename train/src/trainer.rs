@@ -178,6 +178,7 @@ fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
         max_seq_len: d.max_seq_len,
         skip_bad_records: d.skip_bad_records,
         ask_repeat: d.ask_repeat as usize,
+        region_words: d.region_weight > 0.0,
     }
 }
 
@@ -250,7 +251,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     let opts = data_options(cfg, &ic);
     let train_set = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
     tracing::info!(stats = ?train_set.stats, "training data {}", train_set.path.display());
-    let val_opts = DataOptions { ask_repeat: 1, extra_task_modes: vec![], ..opts.clone() };
+    let val_opts = DataOptions { ask_repeat: 1, extra_task_modes: vec![], region_words: false, ..opts.clone() };
     let val_set = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &val_opts, &tokenizer, &ic)).transpose()?;
     if let Some(v) = &val_set {
         tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());
@@ -353,6 +354,8 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     let step_opts = |step: usize, micro: usize| StepOptions {
         checkpointing: cfg.run.grad_checkpointing,
         dropout_seed: dropout_seed(cfg.run.seed, step, micro),
+        region_weight: cfg.data.region_weight,
+        region_layer: cfg.data.region_layer,
     };
 
     while state.step < total_steps {

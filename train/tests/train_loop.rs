@@ -79,6 +79,7 @@ fn data_options() -> DataOptions {
         max_seq_len: 8192,
         skip_bad_records: false,
         ask_repeat: 1,
+        region_words: false,
     }
 }
 
@@ -348,4 +349,79 @@ fn only_the_target_is_supervised_and_images_get_their_pads() {
         assert_eq!(pads, s.grids.iter().map(|g| g.iter().product::<usize>() / 4).sum::<usize>());
         assert_eq!(s.images.len(), 1);
     }
+}
+
+/// The demo's screens (168x308 on the 28-pixel grid, seen unresized): every screen token inside a listed
+/// element gets one of its words, as the task spells them; the tokens of the element the action clicks
+/// get the action's name instead; nothing else gets a target.
+#[test]
+fn region_targets_name_what_each_screen_token_shows() {
+    let dir = scratch("region");
+    let args = SynthArgs {
+        out: dir.clone(),
+        episodes: 12,
+        seed: 3,
+        width: 168,
+        height: 308,
+        split: "1:0:0".into(),
+        ambiguous_fraction: 0.0,
+        slot_colors: true,
+        grid: 28,
+        icons: true,
+    };
+    synth(&args).expect("synth");
+    let data = dir.join("train.jsonl");
+    let (tok, mut images) = tokenizer_and_images();
+    images.max_pixels = 57_344;
+    let prompt = PromptConfig { min_pixels: images.min_pixels, max_pixels: images.max_pixels, ..Default::default() };
+    let opts = DataOptions { prompt, region_words: true, ..data_options() };
+    let d = data::load_dataset(&data, &opts, &tok, &images).unwrap();
+    assert!(data::load_dataset(&data, &DataOptions { region_words: false, ..opts.clone() }, &tok, &images)
+        .unwrap()
+        .samples
+        .iter()
+        .all(|s| s.region_targets.is_empty()));
+    let episodes: Vec<askgui_data::Episode> =
+        std::fs::read_to_string(&data).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let click = tok.encode("click").unwrap()[0];
+    let (mut marked, mut named) = (0, 0);
+    for s in &d.samples {
+        let ep = &episodes[s.line - 1];
+        let step = &ep.steps[s.step];
+        assert_eq!(s.grids, [[1, 22, 12]], "168x308 is seen unresized: 11 x 6 merged tokens");
+        let start = s.ids.iter().position(|&t| t == tok.image_pad_id).unwrap();
+        let at: std::collections::HashMap<usize, u32> = s.region_targets.iter().copied().collect();
+        assert_eq!(at.len(), s.region_targets.len(), "one target per token");
+        let target = step.action.target().and_then(|t| t.xy());
+        for e in step.elements.iter().flatten().filter(|e| !e.text.trim().is_empty()) {
+            let [x1, y1, x2, y2] = e.bbox;
+            // The elements of this world sit on whole 28-pixel cells, except the list rows, which leave
+            // 8 pixels each side (still covering the centres of the cells they span).
+            let lower = ep.task.to_lowercase();
+            let phrase = match lower.find(&e.text.to_lowercase()) {
+                Some(i) => ep.task[i..i + e.text.len()].to_string(),
+                None => e.text.clone(),
+            };
+            named += (phrase != e.text) as usize;
+            let words = tok.encode(&format!(" {phrase}")).unwrap();
+            let clicked = target.is_some_and(|(x, y)| x >= x1 && x < x2 && y >= y1 && y < y2);
+            let mut k = 0;
+            for r in 0..11 {
+                for c in 0..6 {
+                    let (cx, cy) = (c * 28 + 14, r * 28 + 14);
+                    if cx < x1 || cx >= x2 || cy < y1 || cy >= y2 {
+                        continue;
+                    }
+                    let got = at.get(&(start + (r * 6 + c) as usize)).copied();
+                    let want = if clicked { click } else { words[k % words.len()] };
+                    assert_eq!(got, Some(want), "{} step {} `{}` cell ({r}, {c})", ep.id, s.step, e.text);
+                    k += 1;
+                    marked += clicked as usize;
+                }
+            }
+        }
+        let cells: usize = at.keys().filter(|&&p| p >= start && p < start + 66).count();
+        assert_eq!(cells, at.len(), "targets only on the screenshot's tokens");
+    }
+    assert!(marked > 0 && named > 0, "the check saw clicked elements ({marked}) and named ones ({named})");
 }
