@@ -526,6 +526,10 @@ mod tests {
         assert!(e.contains("exclude each other"), "{e}");
         let e = parse(&["--model", "m", "--data", "d", "--lora-dropout", "1.5"]).unwrap_err().to_string();
         assert!(e.contains("--lora-dropout"), "{e}");
+        let e = parse(&["--model", "m", "--data", "d", "--region-weight=-1"]).unwrap_err().to_string();
+        assert!(e.contains("--region-weight"), "{e}");
+        let e = parse(&["--model", "m", "--data", "d", "--region-layer", "0"]).unwrap_err().to_string();
+        assert!(e.contains("--region-layer"), "{e}");
     }
 
     #[test]

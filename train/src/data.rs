@@ -197,7 +197,13 @@ pub fn load_dataset(
             let grids = imgs.iter().map(|p| tokens[p].grid).collect();
             let mut region_targets = Vec::new();
             if opts.region_words {
-                let marker = s.target.target().map(|_| tokenizer.encode(s.target.name())).transpose()?;
+                // After a SAY turn the detail that decides the target comes after the screenshot, where
+                // the screen tokens cannot see it: nothing is marked there.
+                let decided_before_screen = s.kind != SampleKind::ActAfterSay;
+                let marker = match (s.target.target(), decided_before_screen) {
+                    (Some(_), true) => Some(tokenizer.encode(s.target.name())?),
+                    _ => None,
+                };
                 for (k, (p, &start)) in imgs.iter().zip(&starts).enumerate() {
                     let info = &tokens[p];
                     let step = &words[info.step];
