@@ -62,8 +62,9 @@ pub struct PreparedSample {
     pub labels_mask: Vec<bool>,
     pub images: Vec<PathBuf>,
     pub grids: Vec<[usize; 3]>,
-    /// `(t, token)`: image token `t` lies inside a listed element whose text has `token` (see
-    /// [`region_words`]); empty unless [`DataOptions::region_words`].
+    /// `(t, token)`: image token `t` lies inside a listed element whose text has `token`, or inside the
+    /// element the target clicks and `token` is the action's name (see [`region_words`]); empty unless
+    /// [`DataOptions::region_words`].
     pub region_targets: Vec<(usize, u32)>,
 }
 
