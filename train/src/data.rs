@@ -205,16 +205,20 @@ pub fn load_dataset(
                     (Some(_), true) => Some(tokenizer.encode(s.target.name())?),
                     _ => None,
                 };
+                // The prompt shows the screenshots of consecutive steps ending with this one (the oldest
+                // are the first to go when a sample is cut to fit), so image `k` shows step `first + k`.
+                let first = (s.step + 1).checked_sub(imgs.len()).ok_or_else(|| {
+                    TrainError::Data(format!("episode `{}` step {}: more screenshots than steps", s.episode, s.step))
+                })?;
                 for (k, (p, &start)) in imgs.iter().zip(&starts).enumerate() {
-                    let info = &tokens[p];
-                    let step = &words[info.step];
+                    let step = &words[first + k];
                     // The element the target acts on, on the current screenshot only.
                     let mark = match (&marker, step.target) {
-                        (Some(m), Some(t)) if k + 1 == imgs.len() && info.step == s.step => m.first().map(|&m| (t, m)),
+                        (Some(m), Some(t)) if first + k == s.step => m.first().map(|&m| (t, m)),
                         _ => None,
                     };
                     let merge = images.geometry.merge_size;
-                    region_words(info, &step.elements, mark, merge, start, &mut region_targets);
+                    region_words(&tokens[p], &step.elements, mark, merge, start, &mut region_targets);
                 }
             }
             let sample = PreparedSample {
@@ -246,8 +250,6 @@ struct ImageInfo {
     grid: [usize; 3],
     /// Its number of `<|image_pad|>` tokens.
     pads: usize,
-    /// The step it shows.
-    step: usize,
     /// Width and height in pixels, as the file is.
     size: (u32, u32),
 }
@@ -283,7 +285,7 @@ fn image_tokens(file: &Path, ep: &LoadedEpisode, cfg: &ImageProcessorConfig) -> 
             .map_err(|e| err(e.to_string()))?;
         let grid = [1, nh / g.patch_size, nw / g.patch_size];
         let pads = grid.iter().product::<usize>() / (g.merge_size * g.merge_size);
-        out.insert(image, ImageInfo { grid, pads, step, size });
+        out.insert(image, ImageInfo { grid, pads, size });
     }
     Ok((out, mismatched))
 }

@@ -424,4 +424,34 @@ fn region_targets_name_what_each_screen_token_shows() {
         assert_eq!(cells, at.len(), "targets only on the screenshot's tokens");
     }
     assert!(marked > 0 && named > 0, "the check saw clicked elements ({marked}) and named ones ({named})");
+
+    // With the previous screenshot in the prompt, the current one gets the same targets (shifted to its
+    // pads), and the earlier one gets the previous step's: the same cells, the same words where that
+    // step's own sample had no marker (the tokenizer is byte-level, so the marker, `c`, is also a letter).
+    let prompt = PromptConfig { history_images: 1, ..opts.prompt.clone() };
+    let h = data::load_dataset(&data, &DataOptions { prompt, ..opts.clone() }, &tok, &images).unwrap();
+    let pad = |s: &data::PreparedSample, nth: usize| {
+        s.ids.iter().enumerate().filter(|(_, &t)| t == tok.image_pad_id).nth(nth * 66).unwrap().0
+    };
+    // The targets on image `nth`, by cell.
+    let cells = |s: &data::PreparedSample, nth: usize| {
+        let start = pad(s, nth);
+        let on = s.region_targets.iter().filter(|t| t.0 >= start && t.0 < start + 66);
+        on.map(|&(p, t)| (p - start, t)).collect::<Vec<_>>()
+    };
+    let mut with_history = 0;
+    for (a, b) in d.samples.iter().zip(&h.samples) {
+        assert_eq!((a.line, a.step), (b.line, b.step));
+        assert_eq!(cells(a, 0), cells(b, b.images.len() - 1), "{} step {}", a.episode, a.step);
+        if b.images.len() == 2 {
+            with_history += 1;
+            let prev = d.samples.iter().find(|p| (p.line, p.step) == (b.line, b.step - 1)).unwrap();
+            let (want, got) = (cells(prev, 0), cells(b, 0));
+            assert_eq!(want.iter().map(|c| c.0).collect::<Vec<_>>(), got.iter().map(|c| c.0).collect::<Vec<_>>());
+            for (w, g) in want.iter().zip(&got) {
+                assert!(w.1 == click || w.1 == g.1, "{} step {} cell {}: {} != {}", b.episode, b.step, w.0, g.1, w.1);
+            }
+        }
+    }
+    assert!(with_history > 0);
 }
