@@ -3,14 +3,19 @@
 //!
 //! Layout of one step's prompt:
 //! - system: the action space (with `ask`), the coordinate frame, the answer format;
-//! - user: the task, the history (earlier actions, earlier ASK/SAY turns), the last k screenshots, the
-//!   current screenshot and optionally its element list;
-//! - when the agent asked at *this* step: assistant (the ask) and user (the SAY answer) as chat turns;
+//! - user: the task, the history (earlier actions and every ASK/SAY pair, including one asked at *this*
+//!   step), the last k screenshots, the current screenshot and optionally its element list;
 //! - assistant: the target action (the only text that carries loss).
+//!
+//! The dialogue sits in the history text, before the screenshots, and not as chat turns after them: the
+//! model is causal, so only text that comes before the screen tokens can shape what they compute. An
+//! answer appended after the screenshot reaches the screen only through the last positions, which a
+//! small model does not learn to do (the demo acted on the answer in 35 of 189 asked steps that way).
+//! The cost is one more prefill per asked step on a server that caches prompt prefixes.
 //!
 //! All coordinates in the prompt are in the model frame ([`FrameMap`]); datasets keep screen pixels.
 //! For an ambiguous episode the annotated step gives two samples: target = the `ask`; then, with the ask
-//! and the SAY turn appended, target = the real action.
+//! and the SAY turn appended to the history, target = the real action.
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -143,8 +148,8 @@ impl SystemPrompt {
 #[derive(Debug, Clone)]
 pub struct StepContext<'a> {
     pub task: &'a str,
-    /// Everything before this step, in screen pixels: actions and SAY turns. Trailing ask/say pairs
-    /// (asked at this very step) become chat turns; earlier ones are listed in the history text.
+    /// Everything before this step, in screen pixels: actions, asks and SAY turns, all listed in the
+    /// history text (trailing ask/say turns were asked at this very step).
     pub history: &'a [Turn],
     /// Earlier screenshots (oldest first) followed by the current one.
     pub screenshots: Vec<PathBuf>,
@@ -174,20 +179,10 @@ fn history_text(turns: &[Turn], frame: &FrameMap, with_ids: bool) -> String {
 
 /// Chat messages for one step, without the target.
 pub fn step_messages(ctx: &StepContext) -> Vec<ChatMessage> {
-    // Split the history: trailing (ask, say?) turns belong to the current step.
-    let mut split = ctx.history.len();
-    while split > 0 {
-        match &ctx.history[split - 1] {
-            Turn::Say { .. } | Turn::Agent { action: Action::Ask(_) } => split -= 1,
-            _ => break,
-        }
-    }
-    let (earlier, current) = ctx.history.split_at(split);
-
     let mut content = vec![Part::Text { text: format!("Task: {}\n", ctx.task) }];
-    if !earlier.is_empty() {
+    if !ctx.history.is_empty() {
         content.push(Part::Text {
-            text: format!("History:\n{}", history_text(earlier, &ctx.frame, ctx.elements.is_some())),
+            text: format!("History:\n{}", history_text(ctx.history, &ctx.frame, ctx.elements.is_some())),
         });
     }
     let (prev, cur) = ctx.screenshots.split_at(ctx.screenshots.len().saturating_sub(1));
@@ -208,17 +203,10 @@ pub fn step_messages(ctx: &StepContext) -> Vec<ChatMessage> {
     }
     content.push(Part::Text { text: "Next action?".into() });
 
-    let mut msgs = vec![
+    vec![
         ChatMessage::text("system", ctx.system.text(ctx.frame.kind), false),
         ChatMessage { role: "user".into(), content, loss: false },
-    ];
-    for t in current {
-        match t {
-            Turn::Agent { action } => msgs.push(ChatMessage::text("assistant", action.render(), false)),
-            Turn::Say { text } => msgs.push(ChatMessage::text("user", text.clone(), false)),
-        }
-    }
-    msgs
+    ]
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -436,14 +424,16 @@ mod tests {
         assert_eq!(kinds, [SampleKind::Act, SampleKind::Ask, SampleKind::ActAfterSay, SampleKind::Act]);
         assert!(s[1].target.is_ask());
         assert_eq!(s[2].target, Action::Click(Target::point(20, 50)), "relative frame: 20/1000 -> 20, 100/2000 -> 50");
-        // The sample after SAY carries the ask and the answer as chat turns, without loss.
+        // The sample after SAY lists the ask and the answer as the last history lines, before the
+        // screenshot, where the screen tokens can read them.
         let m = &s[2].messages;
-        assert_eq!(
-            m.iter().map(|m| m.role.as_str()).collect::<Vec<_>>(),
-            ["system", "user", "assistant", "user", "assistant"]
-        );
-        assert!(!m[2].loss && m[4].loss);
-        assert_eq!(m[3].content, vec![Part::Text { text: "Oat, please.".into() }]);
+        assert_eq!(m.iter().map(|m| m.role.as_str()).collect::<Vec<_>>(), ["system", "user", "assistant"]);
+        let r = render_chatml(m, false);
+        let (say, screen) = (r.text.find("ASK: Which milk?\nSAY: Oat, please.\n"), r.text.find("Current screenshot:"));
+        assert!(say.is_some() && say < screen, "{}", r.text);
+        assert_eq!(r.loss_spans.len(), 1);
+        // The ask sample itself has no dialogue yet.
+        assert!(!render_chatml(&s[1].messages, false).text.contains("ASK:"));
         // The last step lists the earlier ask/say in its history text and uses the ambiguous task.
         let r = render_chatml(&s[3].messages, false);
         assert!(

@@ -250,9 +250,9 @@ fn packed_jobs_answer_what_they_answer_alone() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The prefix cache: a repeated prompt prefills one token, the step after an ask prefills only the
-/// question and the answer (the screenshot is reused), another screenshot is not mistaken for the same
-/// one, and the answers equal those without the cache.
+/// The prefix cache: a repeated prompt prefills one token, the step after an ask reuses the system
+/// prompt and the task (the dialogue comes before the screenshot, so the screenshot is prefilled again),
+/// another screenshot is not mistaken for the same one, and the answers equal those without the cache.
 #[test]
 fn prompt_prefixes_are_reused_only_where_they_match() -> anyhow::Result<()> {
     let mut b = backend(false)?;
@@ -267,7 +267,7 @@ fn prompt_prefixes_are_reused_only_where_they_match() -> anyhow::Result<()> {
     assert!((again.ask_probability.unwrap() - want.ask_probability.unwrap()).abs() <= 1e-6);
     assert_eq!(want.usage.cached_tokens, 0, "no reuse with the cache off");
 
-    // After an ask: the same system, task and screenshot, then the question and the answer.
+    // After an ask: the same system prompt and task, then the question and the answer, then the screenshot.
     let mut after = step_job("Buy milk", opts.clone());
     after.request.history = vec![
         Turn::Agent {
@@ -281,7 +281,12 @@ fn prompt_prefixes_are_reused_only_where_they_match() -> anyhow::Result<()> {
     ];
     let r = b.step(&after, NEVER)?;
     eprintln!("after an ask: {:?}", r.usage);
-    assert!(r.usage.cached_tokens > r.usage.image_tokens, "the screenshot is reused: {:?}", r.usage);
+    let fresh = r.usage.prompt_tokens + 4 - r.usage.cached_tokens;
+    assert!(
+        r.usage.cached_tokens > 0 && fresh > r.usage.image_tokens,
+        "the task is reused, not the screen: {:?}",
+        r.usage
+    );
     let want = cold.step(&after, NEVER)?;
     assert!((r.ask_probability.unwrap() - want.ask_probability.unwrap()).abs() <= 1e-6);
 

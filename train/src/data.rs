@@ -198,12 +198,11 @@ pub fn load_dataset(
             let grids = imgs.iter().map(|p| tokens[p].grid).collect();
             let mut region_targets = Vec::new();
             if opts.region_words {
-                // After a SAY turn the detail that decides the target comes after the screenshot, where
-                // the screen tokens cannot see it: nothing is marked there.
-                let decided_before_screen = s.kind != SampleKind::ActAfterSay;
-                let marker = match (s.target.target(), decided_before_screen) {
-                    (Some(_), true) => Some(tokenizer.encode(s.target.name())?),
-                    _ => None,
+                // Everything that decides the target (the task, the history, an answer to an ask at
+                // this step) comes before the screenshots, so the screen tokens can mark it.
+                let marker = match s.target.target() {
+                    Some(_) => Some(tokenizer.encode(s.target.name())?),
+                    None => None,
                 };
                 // The prompt shows the screenshots of consecutive steps ending with this one (the oldest
                 // are the first to go when a sample is cut to fit), so image `k` shows step `first + k`.

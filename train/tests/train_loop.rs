@@ -454,4 +454,35 @@ fn region_targets_name_what_each_screen_token_shows() {
         }
     }
     assert!(with_history > 0);
+
+    // Ambiguous tasks: the ask sample marks no element (an ask acts on none), and the sample after the
+    // user's answer, which the prompt lists before the screenshot, marks the element the action acts on:
+    // the two differ only there (both share the one screenshot; the pads sit at different offsets).
+    let amb = scratch("region-ambiguous");
+    synth(&SynthArgs { out: amb.clone(), ambiguous_fraction: 1.0, ..args }).expect("synth");
+    let data = amb.join("train.jsonl");
+    let task_mode = askgui_data::TaskMode::Ambiguous;
+    let a = data::load_dataset(&data, &DataOptions { task_mode, ..opts.clone() }, &tok, &images).unwrap();
+    let episodes: Vec<askgui_data::Episode> =
+        std::fs::read_to_string(&data).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (mut asked, mut differ) = (0, 0);
+    for (i, ep) in episodes.iter().enumerate() {
+        for (k, step) in ep.steps.iter().enumerate().filter(|(_, st)| st.ask.is_some()) {
+            let both: Vec<_> = a.samples.iter().filter(|s| (s.line, s.step) == (i + 1, k)).collect();
+            assert_eq!(both.len(), 2, "{} step {k}: the ask and the action after the answer", ep.id);
+            let Some((x, y)) = step.action.target().and_then(|t| t.xy()) else { continue };
+            let marker = tok.encode(step.action.name()).unwrap()[0];
+            let (ask, after) = (cells(both[0], 0), cells(both[1], 0));
+            assert_eq!(ask.iter().map(|c| c.0).collect::<Vec<_>>(), after.iter().map(|c| c.0).collect::<Vec<_>>());
+            for (w, g) in ask.iter().zip(&after) {
+                assert!(w.1 == g.1 || g.1 == marker, "{} step {k} cell {}: {} -> {}", ep.id, w.0, w.1, g.1);
+                differ += (w.1 != g.1) as usize;
+            }
+            let cell = (y / 28) as usize * 6 + (x / 28) as usize;
+            assert_eq!(after.iter().find(|c| c.0 == cell).map(|c| c.1), Some(marker), "{} step {k}", ep.id);
+            asked += 1;
+        }
+    }
+    assert!(differ > 0, "the answer's sample marks what the ask's does not");
+    assert!(asked > 0, "the ambiguous world has asked steps that act on a point");
 }
