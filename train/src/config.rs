@@ -142,6 +142,11 @@ pub struct DataArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     #[serde(default = "one")]
     pub ask_repeat: u32,
+    /// Copies of each sample that acts on the user's answer (the asked step after its SAY turn; 1: the
+    /// natural mix, as in validation). They alone teach the agent to act on what the user said.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    #[serde(default = "one")]
+    pub say_repeat: u32,
     /// Weight of the region-word loss (0: off): each image token inside a listed element's box also
     /// predicts one word of that element's text, as grounded pretraining aligns regions with words.
     /// Needs episodes with elements; the validation loss leaves it out.

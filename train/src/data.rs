@@ -47,6 +47,8 @@ pub struct DataOptions {
     /// 1 keeps the natural mix. Asks are a small share of the steps (~12% in the demo's world), and a
     /// model learns when to ask from them alone.
     pub ask_repeat: usize,
+    /// Copies of each sample that acts on the user's answer (the annotated step after the SAY turn).
+    pub say_repeat: usize,
     /// Build each sample's region-word targets ([`PreparedSample::region_targets`]).
     pub region_words: bool,
 }
@@ -230,7 +232,11 @@ pub fn load_dataset(
                 grids,
                 region_targets,
             };
-            let copies = if s.kind == SampleKind::Ask { opts.ask_repeat.max(1) } else { 1 };
+            let copies = match s.kind {
+                SampleKind::Ask => opts.ask_repeat.max(1),
+                SampleKind::ActAfterSay => opts.say_repeat.max(1),
+                _ => 1,
+            };
             stats.tokens += copies * sample.ids.len();
             stats.supervised_tokens += copies * sample.supervised_tokens();
             samples.extend(std::iter::repeat_n(sample, copies));

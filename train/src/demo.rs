@@ -135,6 +135,10 @@ pub struct DemoArgs {
     /// full tasks (178 needless asks in 1,414 steps against 58 with 2), 1 left asks out (recall 0.545).
     #[arg(long, default_value_t = 2)]
     pub ask_repeat: u32,
+    /// Copies of each sample that acts on the user's answer in the LoRA mix (askgui-train
+    /// `--say-repeat`).
+    #[arg(long, default_value_t = 1)]
+    pub say_repeat: u32,
     /// Sequences per optimiser step (one micro-batch; 16 amortises the per-op overhead of a model this
     /// small: ~1.7x the tokens/s of 8).
     #[arg(long, default_value_t = 16)]
@@ -450,6 +454,7 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     lora.data.extra_task_modes = vec![];
     lora.data.region_weight = a.lora_region_weight;
     lora.data.ask_repeat = a.ask_repeat;
+    lora.data.say_repeat = a.say_repeat;
     lora.lora.lora_rank = a.lora_rank;
     lora.lora.lora_alpha = 2.0 * a.lora_rank as f64;
     lora.lora.lora_dropout = 0.0;

@@ -178,6 +178,7 @@ fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
         max_seq_len: d.max_seq_len,
         skip_bad_records: d.skip_bad_records,
         ask_repeat: d.ask_repeat as usize,
+        say_repeat: d.say_repeat as usize,
         region_words: d.region_weight > 0.0,
     }
 }
@@ -251,7 +252,8 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     let opts = data_options(cfg, &ic);
     let train_set = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
     tracing::info!(stats = ?train_set.stats, "training data {}", train_set.path.display());
-    let val_opts = DataOptions { ask_repeat: 1, extra_task_modes: vec![], region_words: false, ..opts.clone() };
+    let val_opts =
+        DataOptions { ask_repeat: 1, say_repeat: 1, extra_task_modes: vec![], region_words: false, ..opts.clone() };
     let val_set = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &val_opts, &tokenizer, &ic)).transpose()?;
     if let Some(v) = &val_set {
         tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());

@@ -30,6 +30,7 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         lora_lr: 1e-3,
         lora_rank: 4,
         ask_repeat: 3,
+        say_repeat: 2,
         batch_size: 2,
         eval_episodes: 2,
         max_new_tokens: 6,

@@ -79,6 +79,7 @@ fn data_options() -> DataOptions {
         max_seq_len: 8192,
         skip_bad_records: false,
         ask_repeat: 1,
+        say_repeat: 1,
         region_words: false,
     }
 }
@@ -465,11 +466,12 @@ fn region_targets_name_what_each_screen_token_shows() {
     let a = data::load_dataset(&data, &DataOptions { task_mode, ..opts.clone() }, &tok, &images).unwrap();
     let episodes: Vec<askgui_data::Episode> =
         std::fs::read_to_string(&data).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let (mut asked, mut differ) = (0, 0);
+    let (mut asked, mut asked_steps, mut differ) = (0, 0, 0);
     for (i, ep) in episodes.iter().enumerate() {
         for (k, step) in ep.steps.iter().enumerate().filter(|(_, st)| st.ask.is_some()) {
             let both: Vec<_> = a.samples.iter().filter(|s| (s.line, s.step) == (i + 1, k)).collect();
             assert_eq!(both.len(), 2, "{} step {k}: the ask and the action after the answer", ep.id);
+            asked_steps += 1;
             let Some((x, y)) = step.action.target().and_then(|t| t.xy()) else { continue };
             let marker = tok.encode(step.action.name()).unwrap()[0];
             let (ask, after) = (cells(both[0], 0), cells(both[1], 0));
@@ -484,5 +486,9 @@ fn region_targets_name_what_each_screen_token_shows() {
         }
     }
     assert!(differ > 0, "the answer's sample marks what the ask's does not");
+    // `--ask-repeat` and `--say-repeat` copy the two samples of an asked step, and only those.
+    let more = DataOptions { task_mode, ask_repeat: 2, say_repeat: 3, ..opts.clone() };
+    let m = data::load_dataset(&data, &more, &tok, &images).unwrap();
+    assert_eq!(m.samples.len(), a.samples.len() + 3 * asked_steps, "one more ask and two more answers each");
     assert!(asked > 0, "the ambiguous world has asked steps that act on a point");
 }
