@@ -123,7 +123,8 @@ pub struct DataArgs {
     /// Earlier screenshots shown besides the current one.
     #[arg(long, default_value_t = 0)]
     pub history_images: usize,
-    /// Most recent history lines (actions, ASK, SAY) kept in the prompt (0: all).
+    /// Most recent history lines (actions, ASK, SAY, the current step's question and answer included)
+    /// kept in the prompt (0: all).
     #[arg(long, default_value_t = 0)]
     pub history_length: usize,
     /// Include the element list when a step has one.

@@ -75,3 +75,19 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+/// The README's first command, `askgui-train demo`, takes no arguments: every knob has a default (clap
+/// makes a field without one a required argument, and the command would fail).
+#[test]
+fn demo_needs_no_arguments() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: DemoArgs,
+    }
+    let cli = Cli::try_parse_from(["demo"]).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(cli.args.out, std::path::PathBuf::from("runs/demo"));
+    assert_eq!((cli.args.base_steps, cli.args.lora_steps), (2000, 300));
+    assert_eq!((cli.args.ask_repeat, cli.args.say_repeat), (2, 5));
+}
