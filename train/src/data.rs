@@ -202,10 +202,12 @@ pub fn load_dataset(
             if opts.region_words {
                 // Everything that decides the target (the task, the history, an answer to an ask at
                 // this step) comes before the screenshots, so the screen tokens can mark it.
+                // The element the target acts on predicts the first token of the action's name.
                 let marker = match s.target.target() {
-                    Some(_) => Some(tokenizer.encode(s.target.name())?),
+                    Some(_) => tokenizer.encode(s.target.name())?.first().copied(),
                     None => None,
                 };
+                let merge = images.geometry.merge_size;
                 // The prompt shows the screenshots of consecutive steps ending with this one (the oldest
                 // are the first to go when a sample is cut to fit), so image `k` shows step `first + k`.
                 let first = (s.step + 1).checked_sub(imgs.len()).ok_or_else(|| {
@@ -214,11 +216,10 @@ pub fn load_dataset(
                 for (k, (p, &start)) in imgs.iter().zip(&starts).enumerate() {
                     let step = &words[first + k];
                     // The element the target acts on, on the current screenshot only.
-                    let mark = match (&marker, step.target) {
-                        (Some(m), Some(t)) if first + k == s.step => m.first().map(|&m| (t, m)),
+                    let mark = match (marker, step.target) {
+                        (Some(m), Some(t)) if first + k == s.step => Some((t, m)),
                         _ => None,
                     };
-                    let merge = images.geometry.merge_size;
                     region_words(&tokens[p], &step.elements, mark, merge, start, &mut region_targets);
                 }
             }
