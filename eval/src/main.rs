@@ -76,6 +76,7 @@ struct RunArgs {
 }
 
 fn main() -> ExitCode {
+    askgui_model::pin_cpu_threads();
     let cli = Cli::parse();
     // score-text says once on stderr why a metric is unavailable; the loader's warnings would repeat it.
     let default = if matches!(cli.command, Command::ScoreText { .. }) { "error" } else { "warn" };

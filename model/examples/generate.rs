@@ -81,6 +81,7 @@ enum DTypeArg {
 }
 
 fn main() -> std::process::ExitCode {
+    askgui_model::pin_cpu_threads();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)

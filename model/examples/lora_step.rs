@@ -124,6 +124,7 @@ fn bytes(t: &Tensor) -> u64 {
 }
 
 fn main() -> Result<()> {
+    askgui_model::pin_cpu_threads();
     let args = Args::parse();
     if args.batch == 0 || (args.batch > 1 && matches!(args.path, PathKind::Composed)) {
         bail!("--batch must be 1 for the composed path and at least 1 for ops");

@@ -20,6 +20,7 @@ struct DemoCli {
 }
 
 fn main() -> Result<()> {
+    askgui_model::pin_cpu_threads();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
