@@ -571,6 +571,20 @@ impl Qwen2Vl {
         self.set_active_adapter(Some(name))
     }
 
+    /// Folds adapter `name` into the base weights for good, as PEFT's `merge_and_unload`: afterwards the
+    /// model is a plain model that keeps neither the original weights nor any adapter (the others were
+    /// trained against the old weights, so they are dropped too). For a process that only ever runs this
+    /// adapter (an evaluation) a forward then costs what the base model's does: no low-rank matmuls beside
+    /// each linear, and no second copy of its weights once the merge is done.
+    pub fn merge_and_unload(&mut self, name: &str) -> Result<()> {
+        self.merge_adapter(name)?;
+        for l in self.linears_mut() {
+            l.lora = LoraSlot::default();
+        }
+        self.lora = LoraState::default();
+        Ok(())
+    }
+
     /// Restores the base weights kept by [`Self::merge_adapter`] (bit-exact); `name` stays active,
     /// now applied as an unmerged delta.
     pub fn unmerge_adapter(&mut self, name: &str) -> Result<()> {

@@ -148,6 +148,16 @@ fn merge_equals_unmerged_and_unmerge_restores_bit_exactly() -> anyhow::Result<()
     c.model.set_active_adapter(None)?;
     assert_eq!(c.logits()?.to_vec2::<f32>()?, base.to_vec2::<f32>()?, "after unmerge the base is the base");
     assert!(c.model.unmerge_adapter("all").unwrap_err().to_string().contains("not merged"));
+
+    // For good: the same function as the unmerged adapter, and nothing of LoRA left to switch to.
+    c.model.merge_and_unload("all")?;
+    assert!(c.model.adapter_names().is_empty(), "every adapter is dropped");
+    assert_eq!((c.model.active_adapter(), c.model.merged_adapter()), (None, None));
+    assert!(c.model.linears().iter().all(|l| l.lora.active_delta().is_none()), "a delta is still applied");
+    let unloaded = c.logits()?;
+    check("merged and unloaded vs unmerged", &unloaded, &unmerged);
+    check("merged and unloaded vs peft", &unloaded, get(&lo, "logits"));
+    assert!(c.model.merge_and_unload("all").unwrap_err().to_string().contains("no adapter named `all`"));
     Ok(())
 }
 
