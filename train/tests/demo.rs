@@ -31,6 +31,7 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         lora_rank: 4,
         ask_repeat: 3,
         say_repeat: 2,
+        lora_extra: vec![TaskMode::Full],
         batch_size: 2,
         eval_episodes: 2,
         max_new_tokens: 6,
@@ -88,6 +89,7 @@ fn demo_needs_no_arguments() {
     }
     let cli = Cli::try_parse_from(["demo"]).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(cli.args.out, std::path::PathBuf::from("runs/demo"));
-    assert_eq!((cli.args.base_steps, cli.args.lora_steps), (2000, 300));
-    assert_eq!((cli.args.ask_repeat, cli.args.say_repeat), (2, 5));
+    assert_eq!((cli.args.base_steps, cli.args.lora_steps), (2000, 750));
+    assert_eq!((cli.args.ask_repeat, cli.args.say_repeat), (4, 5));
+    assert_eq!(cli.args.lora_extra, [TaskMode::Full]);
 }
