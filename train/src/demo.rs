@@ -41,13 +41,15 @@
 //! 400 steps, and in the whole demo base SSR 0.856 after 2,000 steps (0.564 after 1,200: the loss falls
 //! steeply between steps 1,100 and 1,400).
 //!
-//! Status (default run, 282 test episodes, 822 s on a 2-core CPU): base SSR 0.895 (SR 0.507), incomplete
-//! SR 0.284, blank screens 0.310; LoRA+ASK strict ASK F1 0.855: four of the seven checks are met. Not met:
-//! Dual-Stream SSR 0.840 and SR 0.411 (bounds 0.850 and 0.456) and the strict FPR 0.447. The weakest step
-//! is still acting on the user's answer at the asked step (111 of 189). The prompt lists the question and
-//! the answer before the screenshot (`askgui_data::prompt`), so the region loss marks the answer's option
-//! there too (35 of 189 when the answer was a chat turn after the screenshot), and the LoRA mix holds five
-//! copies of each such sample (`--say-repeat`) over 300 steps.
+//! Status (default run, 282 test episodes, 805 s on a 2-core CPU): all seven checks are met. Base SSR
+//! 0.895 (SR 0.507), incomplete SR 0.284, blank screens 0.310; the LoRA+ASK agent under Dual-Stream SSR
+//! 0.895 and SR 0.550, strict ASK F1 0.942 with FPR 0.014 (one needless ask in 110 full tasks). Acting on
+//! the user's answer at the asked step is still its weakest step (136 of 189). What got it there: the
+//! prompt lists the question and the answer before the screenshot (`askgui_data::prompt`), so the region
+//! loss marks the answer's option; the LoRA mix holds four copies of each ask, five of each step that
+//! acts on the answer (`--say-repeat`) and every episode again with its full task (`--lora-extra full`),
+//! over 750 steps; the evaluation folds the adapter into the weights and the binaries pin candle's
+//! thread count ([`askgui_model::pin_cpu_threads`]), which took the evaluation from 141 s to 32 s.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
