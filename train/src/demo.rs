@@ -50,6 +50,7 @@
 //! acts on the answer (`--say-repeat`) and every episode again with its full task (`--lora-extra full`),
 //! over 750 steps; the evaluation folds the adapter into the weights and the binaries pin candle's
 //! thread count ([`askgui_model::pin_cpu_threads`]), which took the evaluation from 141 s to 32 s.
+//! With `--seed 1` (one run) five of the seven are met: base SSR 0.798 and the strict FPR 0.113 are not.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
