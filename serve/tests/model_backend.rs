@@ -261,7 +261,8 @@ fn prompt_prefixes_are_reused_only_where_they_match() -> anyhow::Result<()> {
     let first = b.step(&step_job("Buy milk", opts.clone()), NEVER)?;
     assert_eq!(first.usage.cached_tokens, 0);
     let again = b.step(&step_job("Buy milk", opts.clone()), NEVER)?;
-    let prompt = again.usage.prompt_tokens + 4; // + the forced `{"action":"` tokens
+    let forced = 4; // the forced `{"action":"` tokens: in the cached sequence, counted as completion tokens
+    let prompt = again.usage.prompt_tokens + forced;
     assert!(again.usage.cached_tokens + 8 >= prompt, "a repeat reuses all but the end: {:?}", again.usage);
     let want = cold.step(&step_job("Buy milk", opts.clone()), NEVER)?;
     assert!((again.ask_probability.unwrap() - want.ask_probability.unwrap()).abs() <= 1e-6);
@@ -281,7 +282,7 @@ fn prompt_prefixes_are_reused_only_where_they_match() -> anyhow::Result<()> {
     ];
     let r = b.step(&after, NEVER)?;
     eprintln!("after an ask: {:?}", r.usage);
-    let fresh = r.usage.prompt_tokens + 4 - r.usage.cached_tokens;
+    let fresh = r.usage.prompt_tokens + forced - r.usage.cached_tokens;
     assert!(
         r.usage.cached_tokens > 0 && fresh > r.usage.image_tokens,
         "the task is reused, not the screen: {:?}",

@@ -106,8 +106,8 @@ pub struct DemoArgs {
     /// Sample sets mixed into the base training besides the full tasks (askgui-train
     /// `--extra-task-modes`): `steps`, grounding practice (each step alone with its instruction, as GUI
     /// agents are pretrained on grounding); `language`, the dialogues' words as plain text (what a
-    /// pretrained model would know). Empty: the full tasks alone.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "steps,language")]
+    /// pretrained model would know). The flag with no value: the full tasks alone.
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 0.., default_value = "steps,language")]
     pub base_extra: Vec<TaskMode>,
     /// Optimiser steps of the base training (from scratch): base SSR 0.564 after 1,200, 0.856 after 2,000.
     #[arg(long, default_value_t = 2000)]
@@ -153,8 +153,9 @@ pub struct DemoArgs {
     /// Sample sets mixed into the LoRA fine-tuning besides the Navi-plus mix (askgui-train
     /// `--extra-task-modes`): `full` shows every training episode again with its full task, so each
     /// ambiguous step is also seen with the detail given and acted on. On one base, 600 steps, test split:
-    /// needless asks on full tasks fell from 22 to 1 of 110 tasks (strict FPR 0.333 to 0.065).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "full")]
+    /// needless asks on full tasks fell from 22 to 1 of 110 tasks (strict FPR 0.333 to 0.065). The flag
+    /// with no value mixes in nothing.
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 0.., default_value = "full")]
     pub lora_extra: Vec<TaskMode>,
     /// Sequences per optimiser step (one micro-batch; 16 amortises the per-op overhead of a model this
     /// small: ~1.7x the tokens/s of 8).

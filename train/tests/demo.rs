@@ -92,4 +92,7 @@ fn demo_needs_no_arguments() {
     assert_eq!((cli.args.base_steps, cli.args.lora_steps), (2000, 750));
     assert_eq!((cli.args.ask_repeat, cli.args.say_repeat), (4, 5));
     assert_eq!(cli.args.lora_extra, [TaskMode::Full]);
+    // A mix can be turned off: the flag with no value.
+    let cli = Cli::try_parse_from(["demo", "--lora-extra", "--base-extra"]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(cli.args.lora_extra.is_empty() && cli.args.base_extra.is_empty());
 }
