@@ -4,6 +4,9 @@
 //! nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc` (also `CUDA_PATH`, `CUDA_ROOT`), else `nvcc` on `PATH`. The
 //! target is `compute_$CUDA_COMPUTE_CAP` (default 80: PTX for sm_80 is JIT-compiled by the driver for
 //! sm_90 too). Without the feature this does nothing, so a plain build needs no CUDA at all.
+//!
+//! With the `cpu-exec` feature: also compiles the same sources with the host C++ compiler for the CPU
+//! executor of the launch plans (`emu/build.rs`, included below).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,19 +17,22 @@ fn main() {
     for var in ["NVCC", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT", "CUDA_COMPUTE_CAP"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
-        return;
-    }
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let nvcc = nvcc();
-    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
-    let cap = cap.trim().replace('.', "");
     let mut sources: Vec<PathBuf> = std::fs::read_dir("cuda")
         .expect("kernels/cuda/ holds the .cu sources")
         .map(|e| e.expect("readable kernels/cuda/").path())
         .filter(|p| p.extension().is_some_and(|e| e == "cu"))
         .collect();
     sources.sort();
+    if std::env::var_os("CARGO_FEATURE_CPU_EXEC").is_some() {
+        emu_build(&sources, &out);
+    }
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let nvcc = nvcc();
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
+    let cap = cap.trim().replace('.', "");
     let mut consts = String::new();
     for src in &sources {
         println!("cargo:rerun-if-changed={}", src.display());
@@ -74,3 +80,5 @@ fn compile(nvcc: &Path, src: &Path, ptx: &Path, cap: &str) {
         ),
     }
 }
+
+include!("emu/build.rs");

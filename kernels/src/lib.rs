@@ -9,12 +9,17 @@
 //! - [`rope`]: rotary embeddings, the multimodal M-RoPE of Qwen2-VL and the 2D rotary of its vision tower.
 //! - [`tiling`]: Qwen2-VL image preprocessing (smart_resize, bicubic antialiased resize, normalise, patchify),
 //!   batched; with the `cuda` feature also on the GPU (`tiling::cuda`), bit-exact with the CPU path.
+//! - [`plan`]: every CUDA launch as plain data, run by the GPU executor (`cuda`) or, with the `cpu-exec`
+//!   feature, by [`emu`], which executes the same `.cu` kernels on the CPU with sanitizer-style checks.
 
 pub mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cpu-exec")]
+pub mod emu;
 pub mod norm;
 pub mod ops;
+pub mod plan;
 pub mod rope;
 pub mod tiling;
 

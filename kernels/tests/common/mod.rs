@@ -2,6 +2,8 @@
 //! flattening for comparisons.
 #![allow(dead_code)]
 
+pub mod tol;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 

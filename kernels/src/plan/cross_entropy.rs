@@ -1,0 +1,1 @@
+//! Launch plan (to be written).
