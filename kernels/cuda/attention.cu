@@ -36,11 +36,6 @@ constexpr int fwd_smem_bytes() {
   return (BQ * (DP + 1) + BK * (DP + 1) + BQ * (BK + 1)) * 4 + (2 * BQ + BK) * 4;
 }
 
-template <int DP>
-constexpr int bwd_smem_bytes() {
-  return (2 * BQ * (DP + 1) + 2 * BK * (DP + 1) + BK * (BQ + 1)) * 4 + (4 * BQ + BK) * 4;
-}
-
 // Forward of one (query tile, b * hq + h). q rows are qs elements apart (D, or 3D inside the packed
 // [q, O, dO] when the backward recomputes lse); out (B, Hq, Tq, D), lse (B, Hq, Tq).
 template <typename T, int DP>
@@ -205,36 +200,48 @@ __device__ __forceinline__ void delta(const T* __restrict__ qod, float* __restri
   if (lane == 0) out[row] = acc;
 }
 
-// Backward of one (key tile, b * hq + h): dacc = [dq (B, Hq, Tq, D), dk (B, Hkv, Tk, D), dv (same)] in
+// Backward of one (key tile, b * hq + h), with TK-row key tiles and TQ-row query tiles (64 x 64 where
+// the shared memory allows; 32 x 32 fits 101,376 bytes, the sm_86/sm_89 opt-in, up to DP 128). Thread
+// (ty, tx) owns key rows ty*RK.. and query columns tx + 16 c (c < CQ) of S^T, key rows ty*RK.. of dK and
+// dV, query rows ty*RQ.. of the tile's dQ. dacc = [dq (B, Hq, Tq, D), dk (B, Hkv, Tk, D), dv (same)] in
 // f32, zeroed by the caller, accumulated by atomicAdd.
-template <typename T, int DP>
+template <int DP, int TQ, int TK>
+constexpr int bwd_smem_bytes() {
+  return (2 * TQ * (DP + 1) + 2 * TK * (DP + 1) + TK * (TQ + 1)) * 4 + (4 * TQ + TK) * 4;
+}
+
+template <typename T, int DP, int TQ, int TK>
 __device__ __forceinline__ void backward(const T* __restrict__ qod, const T* __restrict__ k,
                                          const T* __restrict__ v, const float* __restrict__ lse,
                                          const float* __restrict__ dlt, float* __restrict__ dacc,
                                          const uint8_t* __restrict__ keep, const int* __restrict__ cu, int nseg,
                                          int nb, int hq, int hkv, int tq, int tk, int d, int mask, int has_keep,
                                          float scale) {
+  static_assert(TQ % 16 == 0 && TK % 16 == 0 && TQ <= 64 && TK <= 64, "tiles of 16..64 rows");
   constexpr int LD = DP + 1;
-  constexpr int SD = BQ + 1;
+  constexpr int SD = TQ + 1;
   constexpr int DC = DP / 16;
+  constexpr int RK = TK / 16;  // key rows per thread
+  constexpr int RQ = TQ / 16;  // query rows per thread (dQ)
+  constexpr int CQ = TQ / 16;  // query columns per thread (S^T)
   extern __shared__ float smem[];
-  float* Ks = smem;               // (BK, LD)
-  float* Vs = Ks + BK * LD;       // (BK, LD)
-  float* Qs = Vs + BK * LD;       // (BQ, LD)
-  float* dOs = Qs + BQ * LD;      // (BQ, LD)
-  float* Ss = dOs + BQ * LD;      // (BK, SD): P^T, then dS^T, of the current query tile
-  float* lse_s = Ss + BK * SD;    // (BQ) lse in base 2
-  float* dlt_s = lse_s + BQ;      // (BQ)
-  int* row_lo = reinterpret_cast<int*>(dlt_s + BQ);  // (BQ)
-  int* row_hi = row_lo + BQ;                          // (BQ)
-  int* key_ok = row_hi + BQ;                          // (BK)
+  float* Ks = smem;               // (TK, LD)
+  float* Vs = Ks + TK * LD;       // (TK, LD)
+  float* Qs = Vs + TK * LD;       // (TQ, LD)
+  float* dOs = Qs + TQ * LD;      // (TQ, LD)
+  float* Ss = dOs + TQ * LD;      // (TK, SD): P^T, then dS^T, of the current query tile
+  float* lse_s = Ss + TK * SD;    // (TQ) lse in base 2
+  float* dlt_s = lse_s + TQ;      // (TQ)
+  int* row_lo = reinterpret_cast<int*>(dlt_s + TQ);  // (TQ)
+  int* row_hi = row_lo + TQ;                          // (TQ)
+  int* key_ok = row_hi + TQ;                          // (TK)
 
   const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
-  const int k0 = blockIdx.x * BK;
+  const int k0 = blockIdx.x * TK;
   const int bh = blockIdx.y;
   const int b = bh / hq, h = bh % hq;
   const long long kvh = (long long)b * hkv + h / (hq / hkv);
-  const int nk = min(BK, tk - k0);
+  const int nk = min(TK, tk - k0);
   const T* kp = k + (kvh * tk + k0) * d;
   const T* vp = v + (kvh * tk + k0) * d;
   const long long nq_all = (long long)nb * hq * tq * d, nk_all = (long long)nb * hkv * tk * d;
@@ -243,13 +250,13 @@ __device__ __forceinline__ void backward(const T* __restrict__ qod, const T* __r
   float* dv = dacc + nq_all + nk_all + (kvh * tk + k0) * d;
   const float sl2 = scale * LOG2E;
 
-  for (int x = tid; x < BK * DP; x += THREADS) {
+  for (int x = tid; x < TK * DP; x += THREADS) {
     const int r = x / DP, c = x % DP;
     const bool in = r < nk && c < d;
     Ks[r * LD + c] = in ? to_f32(kp[(long long)r * d + c]) : 0.f;
     Vs[r * LD + c] = in ? to_f32(vp[(long long)r * d + c]) : 0.f;
   }
-  if (tid < BK) key_ok[tid] = tid < nk && (!has_keep || keep[(long long)b * tk + k0 + tid] != 0);
+  if (tid < TK) key_ok[tid] = tid < nk && (!has_keep || keep[(long long)b * tk + k0 + tid] != 0);
 
   // Query rows that may see some key of the tile.
   int qlo = 0, qhi = tq;
@@ -260,23 +267,23 @@ __device__ __forceinline__ void backward(const T* __restrict__ qod, const T* __r
     qhi = cu[segment_of(cu, nseg, k0 + nk - 1) + 1];
   }
 
-  float dka[4][DC], dva[4][DC];
+  float dka[RK][DC], dva[RK][DC];
 #pragma unroll
-  for (int r = 0; r < 4; ++r)
+  for (int r = 0; r < RK; ++r)
 #pragma unroll
     for (int c = 0; c < DC; ++c) dka[r][c] = dva[r][c] = 0.f;
 
-  for (int q0 = qlo; q0 < qhi; q0 += BQ) {
-    const int nq = min(BQ, qhi - q0);
+  for (int q0 = qlo; q0 < qhi; q0 += TQ) {
+    const int nq = min(TQ, qhi - q0);
     __syncthreads();  // the previous tile's readers of Qs, dOs, Ss are done (and K, V are loaded)
     const T* qp = qod + ((long long)bh * tq + q0) * 3 * d;
-    for (int x = tid; x < BQ * DP; x += THREADS) {
+    for (int x = tid; x < TQ * DP; x += THREADS) {
       const int r = x / DP, c = x % DP;
       const bool in = r < nq && c < d;
       Qs[r * LD + c] = in ? to_f32(qp[(long long)r * 3 * d + c]) : 0.f;
       dOs[r * LD + c] = in ? to_f32(qp[(long long)r * 3 * d + 2 * d + c]) : 0.f;
     }
-    if (tid < BQ) {
+    if (tid < TQ) {
       const bool in = tid < nq;
       const long long row = (long long)bh * tq + q0 + tid;
       lse_s[tid] = in ? lse[row] * LOG2E : -INFINITY;
@@ -285,38 +292,38 @@ __device__ __forceinline__ void backward(const T* __restrict__ qod, const T* __r
     }
     __syncthreads();
 
-    // S^T = K Q^T and dP^T = V dO^T for keys ty*4 + r, queries tx + 16 c.
-    float p[4][4], dp[4][4];
+    // S^T = K Q^T and dP^T = V dO^T for keys ty*RK + r, queries tx + 16 c.
+    float p[RK][CQ], dp[RK][CQ];
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
+    for (int r = 0; r < RK; ++r)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) p[r][c] = dp[r][c] = 0.f;
+      for (int c = 0; c < CQ; ++c) p[r][c] = dp[r][c] = 0.f;
 #pragma unroll 4
     for (int x = 0; x < DP; ++x) {
-      float ka[4], va[4], qb[4], ob[4];
+      float ka[RK], va[RK], qb[CQ], ob[CQ];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        ka[r] = Ks[(ty * 4 + r) * LD + x];
-        va[r] = Vs[(ty * 4 + r) * LD + x];
+      for (int r = 0; r < RK; ++r) {
+        ka[r] = Ks[(ty * RK + r) * LD + x];
+        va[r] = Vs[(ty * RK + r) * LD + x];
       }
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < CQ; ++c) {
         qb[c] = Qs[(tx + 16 * c) * LD + x];
         ob[c] = dOs[(tx + 16 * c) * LD + x];
       }
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
+      for (int r = 0; r < RK; ++r)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < CQ; ++c) {
           p[r][c] = fmaf(ka[r], qb[c], p[r][c]);
           dp[r][c] = fmaf(va[r], ob[c], dp[r][c]);
         }
     }
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int jj = ty * 4 + r, j = k0 + jj;
+    for (int r = 0; r < RK; ++r) {
+      const int jj = ty * RK + r, j = k0 + jj;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < CQ; ++c) {
         const int i = tx + 16 * c;
         const bool ok = key_ok[jj] && j >= row_lo[i] && j < row_hi[i] && lse_s[i] != -INFINITY;
         p[r][c] = ok ? exp2f(p[r][c] * sl2 - lse_s[i]) : 0.f;
@@ -325,64 +332,64 @@ __device__ __forceinline__ void backward(const T* __restrict__ qod, const T* __r
     }
     __syncthreads();
 
-    // dV += P^T dO for keys ty*4 + r, columns tx + 16 c.
+    // dV += P^T dO for keys ty*RK + r, columns tx + 16 c.
 #pragma unroll 4
-    for (int i = 0; i < BQ; ++i) {
-      float pa[4];
+    for (int i = 0; i < TQ; ++i) {
+      float pa[RK];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) pa[r] = Ss[(ty * 4 + r) * SD + i];
+      for (int r = 0; r < RK; ++r) pa[r] = Ss[(ty * RK + r) * SD + i];
 #pragma unroll
       for (int c = 0; c < DC; ++c) {
         const float o = dOs[i * LD + tx + 16 * c];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) dva[r][c] = fmaf(pa[r], o, dva[r][c]);
+        for (int r = 0; r < RK; ++r) dva[r][c] = fmaf(pa[r], o, dva[r][c]);
       }
     }
     __syncthreads();
 
     // dS = scale * P * (dP - D_i), stored transposed like P.
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
+    for (int r = 0; r < RK; ++r)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < CQ; ++c) {
         const int i = tx + 16 * c;
-        Ss[(ty * 4 + r) * SD + i] = scale * p[r][c] * (dp[r][c] - dlt_s[i]);
+        Ss[(ty * RK + r) * SD + i] = scale * p[r][c] * (dp[r][c] - dlt_s[i]);
       }
     __syncthreads();
 
-    // dK += dS^T Q for keys ty*4 + r; dQ += dS K for queries ty*4 + r (atomics: other key tiles add too).
+    // dK += dS^T Q for keys ty*RK + r; dQ += dS K for queries ty*RQ + r (atomics: other key tiles add too).
 #pragma unroll 4
-    for (int i = 0; i < BQ; ++i) {
-      float sa[4];
+    for (int i = 0; i < TQ; ++i) {
+      float sa[RK];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) sa[r] = Ss[(ty * 4 + r) * SD + i];
+      for (int r = 0; r < RK; ++r) sa[r] = Ss[(ty * RK + r) * SD + i];
 #pragma unroll
       for (int c = 0; c < DC; ++c) {
         const float qv = Qs[i * LD + tx + 16 * c];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) dka[r][c] = fmaf(sa[r], qv, dka[r][c]);
+        for (int r = 0; r < RK; ++r) dka[r][c] = fmaf(sa[r], qv, dka[r][c]);
       }
     }
-    float dqa[4][DC];
+    float dqa[RQ][DC];
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
+    for (int r = 0; r < RQ; ++r)
 #pragma unroll
       for (int c = 0; c < DC; ++c) dqa[r][c] = 0.f;
 #pragma unroll 4
-    for (int jj = 0; jj < BK; ++jj) {
-      float sa[4];
+    for (int jj = 0; jj < TK; ++jj) {
+      float sa[RQ];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) sa[r] = Ss[jj * SD + ty * 4 + r];
+      for (int r = 0; r < RQ; ++r) sa[r] = Ss[jj * SD + ty * RQ + r];
 #pragma unroll
       for (int c = 0; c < DC; ++c) {
         const float kv = Ks[jj * LD + tx + 16 * c];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) dqa[r][c] = fmaf(sa[r], kv, dqa[r][c]);
+        for (int r = 0; r < RQ; ++r) dqa[r][c] = fmaf(sa[r], kv, dqa[r][c]);
       }
     }
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = ty * 4 + r;
+    for (int r = 0; r < RQ; ++r) {
+      const int i = ty * RQ + r;
       if (i >= nq) continue;
       float* dqp = dq + ((long long)bh * tq + q0 + i) * d;
 #pragma unroll
@@ -394,8 +401,8 @@ __device__ __forceinline__ void backward(const T* __restrict__ qod, const T* __r
   }
 
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int jj = ty * 4 + r;
+  for (int r = 0; r < RK; ++r) {
+    const int jj = ty * RK + r;
     if (jj >= nk) continue;
 #pragma unroll
     for (int c = 0; c < DC; ++c) {
@@ -413,6 +420,17 @@ __device__ __forceinline__ void backward(const T* __restrict__ qod, const T* __r
 
 using askgui::attn::THREADS;
 
+// The backward with TQ x TK tiles: attention_bwd_<NAME>_<DP> (64 x 64) or attention_bwd_small_<NAME>_<DP>
+// (32 x 32, for devices whose shared memory does not hold the large tiles).
+#define ASKGUI_ATTENTION_BWD(NAME, T, DP, TILES, TQ, TK)                                                    \
+  extern "C" __global__ void __launch_bounds__(THREADS) attention_bwd_##TILES##NAME##_##DP(                \
+      const T* qod, const T* k, const T* v, const float* lse, const float* dlt, float* dacc,                \
+      const uint8_t* keep, const int* cu, int nseg, int nb, int hq, int hkv, int tq, int tk, int d,         \
+      int mask, int has_keep, float scale) {                                                                \
+    askgui::attn::backward<T, DP, TQ, TK>(qod, k, v, lse, dlt, dacc, keep, cu, nseg, nb, hq, hkv, tq, tk, d, \
+                                          mask, has_keep, scale);                                           \
+  }
+
 #define ASKGUI_ATTENTION(NAME, T, DP)                                                                       \
   extern "C" __global__ void __launch_bounds__(THREADS) attention_fwd_##NAME##_##DP(                        \
       const T* q, int qs, const T* k, const T* v, T* out, float* lse, const uint8_t* keep, const int* cu,   \
@@ -420,13 +438,8 @@ using askgui::attn::THREADS;
     askgui::attn::forward<T, DP>(q, qs, k, v, out, lse, keep, cu, nseg, hq, hkv, tq, tk, d, mask, has_keep,    \
                                  scale);                                                                    \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(THREADS) attention_bwd_##NAME##_##DP(                        \
-      const T* qod, const T* k, const T* v, const float* lse, const float* dlt, float* dacc,                \
-      const uint8_t* keep, const int* cu, int nseg, int nb, int hq, int hkv, int tq, int tk, int d,         \
-      int mask, int has_keep, float scale) {                                                                \
-    askgui::attn::backward<T, DP>(qod, k, v, lse, dlt, dacc, keep, cu, nseg, nb, hq, hkv, tq, tk, d, mask, \
-                                  has_keep, scale);                                                         \
-  }
+  ASKGUI_ATTENTION_BWD(NAME, T, DP, , 64, 64)                                                             \
+  ASKGUI_ATTENTION_BWD(NAME, T, DP, small_, 32, 32)
 
 #define ASKGUI_ATTENTION_DTYPE(NAME, T)                                                              \
   ASKGUI_ATTENTION(NAME, T, 32)                                                                      \

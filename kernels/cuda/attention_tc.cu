@@ -1,7 +1,8 @@
 // Tensor-core attention kernels for bf16 storage (nvcuda::wmma 16x16x16, bf16 operands, f32 accumulate):
 // the same contract as attention.cu (shapes, masks, the saved logsumexp, the [dq, dk, dv] f32
 // accumulator, argument lists), so kernels/src/ops/attention/cuda.rs swaps them in for bf16 where the
-// device has the shared memory (110 KiB forward, 154 KiB backward at D 128: every GPU from sm_80).
+// device has the shared memory (94 KiB forward at D 128: every GPU from sm_80; backward 89 KiB at D 64,
+// 97 KiB at D 80, 121 KiB at D 128: sm_86/sm_89 run D 96 and 128 on CUDA cores).
 //
 // Why: the CUDA-core kernels spend their time in f32 FMAs; here the four products per tile (S, P V in the
 // forward; S^T, dP^T, P^T dO, dS^T Q, dS K in the backward) run on tensor cores, while the softmax, the
@@ -58,9 +59,12 @@ struct TcLayout {
   static constexpr int LDS = BK + 4;  // f32 row stride of a warp's scores (a multiple of 4)
   static constexpr int LDP = BK + 8;  // bf16 row stride of a warp's probabilities
   static constexpr int LDO = DP + 4;  // f32 row stride of a warp's P V
-  // Every part is a multiple of 32 bytes, so every wmma pointer is 256-bit aligned.
+  // Every part is a multiple of 32 bytes, so every wmma pointer is 256-bit aligned. A warp's P V (f32)
+  // shares its bytes with the warp's scores: the scores are dead once P is written (a __syncwarp apart),
+  // which keeps DP 128 within 101,376 bytes (the sm_86/sm_89 opt-in).
   static constexpr int TILE = BQ * LDH * 2;
-  static constexpr int WARP = 16 * LDS * 4 + 16 * LDP * 2 + 16 * LDO * 4;
+  static constexpr int SO = 16 * LDS * 4 > 16 * LDO * 4 ? 16 * LDS * 4 : 16 * LDO * 4;  // scores, then P V
+  static constexpr int WARP = SO + 16 * LDP * 2;
   static constexpr int BYTES = 3 * TILE + TC_WARPS * WARP + (2 * BQ + BK) * 4;
 };
 
@@ -84,8 +88,8 @@ __device__ __forceinline__ void forward_tc(const __nv_bfloat16* __restrict__ q, 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   unsigned char* wb = tc_smem + 3 * L::TILE + warp * L::WARP;
   float* Sf = reinterpret_cast<float*>(wb);                                     // (16, LDS)
-  bf16* Pb = reinterpret_cast<bf16*>(wb + 16 * LDS * 4);                        // (16, LDP)
-  float* Of = reinterpret_cast<float*>(wb + 16 * LDS * 4 + 16 * LDP * 2);       // (16, LDO)
+  float* Of = Sf;                                                               // (16, LDO), after P
+  bf16* Pb = reinterpret_cast<bf16*>(wb + L::SO);                               // (16, LDP)
   int* row_lo = reinterpret_cast<int*>(tc_smem + 3 * L::TILE + TC_WARPS * L::WARP);  // (BQ)
   int* row_hi = row_lo + BQ;                                                          // (BQ)
   int* key_ok = row_hi + BQ;                                                          // (BK)
@@ -215,8 +219,10 @@ struct TcBwdLayout {
   static constexpr int LDP = BQ + 8;  // bf16 row stride of P^T, dS^T
   static constexpr int LDO = DP + 4;  // f32 row stride of the dQ (and final dK, dV) staging
   static constexpr int TILE = 64 * LDH * 2;
-  static constexpr int BYTES =
-      4 * TILE + 2 * BK * LDS * 4 + 2 * BK * LDP * 2 + BQ * LDO * 4 + (2 * BQ) * 4 + (2 * BQ + BK) * 4;
+  // The dQ / dK / dV staging rows share their bytes with S^T and dP^T, which are dead once P^T and dS^T
+  // are written (a block barrier before the first staging store): DP 80 then fits the sm_86/sm_89 opt-in.
+  static constexpr int ST = 2 * BK * LDS * 4 > BQ * LDO * 4 ? 2 * BK * LDS * 4 : BQ * LDO * 4;
+  static constexpr int BYTES = 4 * TILE + ST + 2 * BK * LDP * 2 + (2 * BQ) * 4 + (2 * BQ + BK) * 4;
 };
 
 template <int DP>
@@ -240,12 +246,12 @@ __device__ __forceinline__ void backward_tc(const __nv_bfloat16* __restrict__ qo
   p8 += 4 * L::TILE;
   float* St = reinterpret_cast<float*>(p8);                  // (BK, LDS): S^T
   float* dPt = St + BK * LDS;                                // (BK, LDS): dP^T
-  p8 += 2 * BK * LDS * 4;
+  float* stage = St;                                         // (BQ, LDO): dQ rows, then dK / dV rows
+  p8 += L::ST;
   bf16* Pt = reinterpret_cast<bf16*>(p8);                    // (BK, LDP): P^T
   bf16* dSt = Pt + BK * LDP;                                 // (BK, LDP): dS^T
   p8 += 2 * BK * LDP * 2;
-  float* stage = reinterpret_cast<float*>(p8);               // (BQ, LDO): dQ rows, then dK / dV rows
-  float* lse_s = stage + BQ * LDO;                           // (BQ), base 2
+  float* lse_s = reinterpret_cast<float*>(p8);               // (BQ), base 2
   float* dlt_s = lse_s + BQ;                                 // (BQ)
   int* row_lo = reinterpret_cast<int*>(dlt_s + BQ);          // (BQ)
   int* row_hi = row_lo + BQ;                                 // (BQ)

@@ -83,14 +83,20 @@ pub struct Buffer {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Arg {
     /// A pointer to element `offset` of buffer `buf`.
-    Buf { buf: usize, offset: usize },
+    Buf {
+        buf: usize,
+        offset: usize,
+    },
     I32(i32),
     U32(u32),
     I64(i64),
     U64(u64),
     F32(f32),
     /// A struct passed by value (`#[repr(C)]` bytes, 8-byte aligned fields at most).
-    Pod { name: &'static str, bytes: Vec<u8> },
+    Pod {
+        name: &'static str,
+        bytes: Vec<u8>,
+    },
 }
 
 /// The `.cu` file (and PTX module) a kernel lives in.
@@ -212,7 +218,11 @@ impl Plan {
 
     /// The number of inputs the plan reads (`Init::Input` indices are `0..inputs()`).
     pub fn inputs(&self) -> usize {
-        self.buffers.iter().filter_map(|b| if let Init::Input(i) = b.init { Some(i + 1) } else { None }).max().unwrap_or(0)
+        self.buffers
+            .iter()
+            .filter_map(|b| if let Init::Input(i) = b.init { Some(i + 1) } else { None })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Checks every launch against `caps` and the buffers: threads per block, block and grid dimensions,
@@ -244,10 +254,17 @@ impl Plan {
             for (i, a) in l.args.iter().enumerate() {
                 if let Arg::Buf { buf, offset } = a {
                     let Some(b) = self.buffers.get(*buf) else {
-                        return Err(plan_err!("{at}: argument {i} names buffer {buf}, the plan has {}", self.buffers.len()));
+                        return Err(plan_err!(
+                            "{at}: argument {i} names buffer {buf}, the plan has {}",
+                            self.buffers.len()
+                        ));
                     };
                     if *offset > b.len {
-                        return Err(plan_err!("{at}: argument {i} starts at {offset} of `{}` ({} elements)", b.name, b.len));
+                        return Err(plan_err!(
+                            "{at}: argument {i} starts at {offset} of `{}` ({} elements)",
+                            b.name,
+                            b.len
+                        ));
                     }
                 }
             }

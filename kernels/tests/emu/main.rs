@@ -14,6 +14,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod attention;
 mod norm;
 
 use askgui_kernels::emu::{self, Options, Order};

@@ -13,7 +13,12 @@ const EPS: f64 = 1e-6;
 
 /// The CPU op's output and gradients of `sum(y * g)` for x, w (and b) on `x (rows, d)`.
 fn cpu(kind: Kind, x: &[f64], w: &[f64], b: &[f64], g: &[f64], (rows, d): (usize, usize)) -> Vec<Vec<f64>> {
-    let t = |v: &[f64], dims: &[usize]| Var::from_tensor(&Tensor::from_vec(v.iter().map(|&a| a as f32).collect::<Vec<_>>(), dims, &Device::Cpu).unwrap()).unwrap();
+    let t = |v: &[f64], dims: &[usize]| {
+        Var::from_tensor(
+            &Tensor::from_vec(v.iter().map(|&a| a as f32).collect::<Vec<_>>(), dims, &Device::Cpu).unwrap(),
+        )
+        .unwrap()
+    };
     let (xv, wv, bv) = (t(x, &[rows, d]), t(w, &[d]), t(b, &[d]));
     let y = match kind {
         Kind::Rms => ops::rms_norm(xv.as_tensor(), wv.as_tensor(), EPS),
@@ -22,7 +27,8 @@ fn cpu(kind: Kind, x: &[f64], w: &[f64], b: &[f64], g: &[f64], (rows, d): (usize
     .unwrap();
     let gt = t(g, &[rows, d]);
     let grads = (&y * gt.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
-    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f64::from).collect::<Vec<_>>();
+    let flat =
+        |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f64::from).collect::<Vec<_>>();
     let mut out = vec![flat(&y), flat(grads.get(xv.as_tensor()).unwrap()), flat(grads.get(wv.as_tensor()).unwrap())];
     if kind == Kind::Layer {
         out.push(flat(grads.get(bv.as_tensor()).unwrap()));
@@ -45,7 +51,8 @@ fn norms_forward_backward() {
                 let b = rounded(&uniform(d, n + 200), elem);
                 let g = rounded(&uniform(rows * d, n + 300), elem);
                 let want = cpu(kind, &x, &w, &b, &g, (rows, d));
-                let (rows_tol, params_tol): (Tol, Tol) = if elem == Elem::F32 { (F32_ROWS, F32_PARAMS) } else { (BF16, BF16) };
+                let (rows_tol, params_tol): (Tol, Tol) =
+                    if elem == Elem::F32 { (F32_ROWS, F32_PARAMS) } else { (BF16, BF16) };
 
                 let mut inputs = vec![to_bytes(&x, elem), to_bytes(&w, elem)];
                 if kind == Kind::Layer {
@@ -59,14 +66,24 @@ fn norms_forward_backward() {
                     let out = run(&backward(kind, rows, d, EPS, trained, elem).unwrap(), &inputs, Caps::SM86, order);
                     let out = from_bytes(&out[0], elem);
                     let nx = rows * d;
-                    f.check(compare(&format!("{label} dx (trained {trained})"), &[rows, d], &out[..nx], &want[1], rows_tol));
+                    f.check(compare(
+                        &format!("{label} dx (trained {trained})"),
+                        &[rows, d],
+                        &out[..nx],
+                        &want[1],
+                        rows_tol,
+                    ));
                     if trained {
                         f.check(compare(&format!("{label} dw"), &[d], &out[nx..nx + d], &want[2], params_tol));
                         if kind == Kind::Layer {
                             f.check(compare(&format!("{label} db"), &[d], &out[nx + d..], &want[3], params_tol));
                         }
                     } else {
-                        f.check((out.len() == nx).then_some(()).ok_or(format!("{label}: frozen backward has {} values", out.len())));
+                        f.check(
+                            (out.len() == nx)
+                                .then_some(())
+                                .ok_or(format!("{label}: frozen backward has {} values", out.len())),
+                        );
                     }
                 }
             }
