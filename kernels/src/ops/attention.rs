@@ -25,7 +25,8 @@
 //!   of `v` there (all its scores equal `MASKED`); both are finite, and such rows are garbage positions
 //!   that a training loss masks out, so the tests compare forward values on rows with a visible key only;
 //! - key padding with a block-diagonal mask is refused (the reference ignores the padding there);
-//! - products run in the storage dtype (f32 or f64) through the `gemm` crate; softmax statistics and
+//! - products run in the storage dtype (f32 or f64; bf16 is widened to f32 and `O` and the gradients are
+//!   rounded to bf16 once, the logsumexp kept in f64) through the `gemm` crate; softmax statistics and
 //!   `D_i` in f64. Heads run in parallel with rayon (query heads in the forward, key/value heads in the
 //!   backward, so that no two tasks write one gradient element); each GEMM is single-threaded.
 //!
@@ -37,7 +38,7 @@
 //! `cargo test -p askgui-kernels --features cuda --test cuda attention -- --nocapture`.
 
 use super::gemm::{matmul, View};
-use super::{contiguous_slice, dtype_mismatch, dtype_name};
+use super::{contiguous_slice, f32_slice, Float};
 use crate::attention::AttentionMask;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
@@ -334,20 +335,19 @@ impl CustomOp3 for Attention {
         let name = self.name();
         let (qd, kd, vd) = (l1.shape().dims(), l2.shape().dims(), l3.shape().dims());
         let dims = check_dims(name, qd, kd, vd, &self.spec.mask, self.spec.keep.is_some())?;
-        let (out, lse) = match (s1, s2, s3) {
-            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                let q = contiguous_slice::<f32>(s1, l1, name, "q")?;
-                let (k, v) = (contiguous_slice(s2, l2, name, "k")?, contiguous_slice(s3, l3, name, "v")?);
-                let (o, lse) = forward(q, k, v, &dims, &self.spec);
-                (f32::to_cpu_storage_owned(o), lse)
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => {
+        let (out, lse) = match Float::of(name, &[("q", s1, l1), ("k", s2, l2), ("v", s3, l3)])? {
+            Float::F64 => {
                 let q = contiguous_slice::<f64>(s1, l1, name, "q")?;
                 let (k, v) = (contiguous_slice(s2, l2, name, "k")?, contiguous_slice(s3, l3, name, "v")?);
                 let (o, lse) = forward(q, k, v, &dims, &self.spec);
                 (f64::to_cpu_storage_owned(o), lse)
             }
-            _ => return Err(dtype_mismatch("attention", &[("q", s1, l1), ("k", s2, l2), ("v", s3, l3)])),
+            Float::F32(out) => {
+                let q = f32_slice(s1, l1, name, "q")?;
+                let (k, v) = (f32_slice(s2, l2, name, "k")?, f32_slice(s3, l3, name, "v")?);
+                let (o, lse) = forward(&q, &k, &v, &dims, &self.spec);
+                (out.store(o), lse)
+            }
         };
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(lse));
         Ok((out, l1.shape().clone()))
@@ -444,23 +444,17 @@ impl CustomOp3 for AttentionBwd {
             )
         }
         let n = l1.shape().elem_count() / 3 + 2 * l2.shape().elem_count();
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                let p = contiguous_slice::<f32>(s1, l1, name, "[q, O, dO]")?;
-                let (k, v) = (contiguous_slice(s2, l2, name, "k")?, contiguous_slice(s3, l3, name, "v")?);
-                f32::to_cpu_storage_owned(backward(p, k, v, lse, &dims, &self.spec))
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => {
+        let out = match Float::of(name, &[("[q, O, dO]", s1, l1), ("k", s2, l2), ("v", s3, l3)])? {
+            Float::F64 => {
                 let p = contiguous_slice::<f64>(s1, l1, name, "[q, O, dO]")?;
                 let (k, v) = (contiguous_slice(s2, l2, name, "k")?, contiguous_slice(s3, l3, name, "v")?);
                 f64::to_cpu_storage_owned(backward(p, k, v, lse, &dims, &self.spec))
             }
-            _ => bail!(
-                "{name}: [q, O, dO], k, v must share f32 or f64, got {}, {}, {}",
-                dtype_name(s1),
-                dtype_name(s2),
-                dtype_name(s3)
-            ),
+            Float::F32(out) => {
+                let p = f32_slice(s1, l1, name, "[q, O, dO]")?;
+                let (k, v) = (f32_slice(s2, l2, name, "k")?, f32_slice(s3, l3, name, "v")?);
+                out.store(backward(&p, &k, &v, lse, &dims, &self.spec))
+            }
         };
         Ok((out, Shape::from(n)))
     }

@@ -6,6 +6,11 @@
 //! `loss = sum_{mask != 0} (logsumexp(logits[r]) - logits[r, label[r]]) / n_supervised`.
 //! When no position is supervised the loss is 0 and the gradient is all zeros (not NaN), so an all-prompt
 //! micro-batch is harmless. The backward is `(softmax - onehot) * grad / n_supervised` on supervised rows.
+//! Infinite logits (CPU op), per supervised row: `k > 0` logits at `+inf` make the softmax uniform over
+//! them (`1/k` each, 0 elsewhere), so the row's loss is `ln k` if its label's logit is `+inf` and `+inf`
+//! otherwise; `-inf` logits get probability 0 (loss `+inf` when the label's is `-inf`); a row of only `-inf`
+//! logits has loss `+inf` and a zero gradient (no distribution to move towards); a NaN logit makes the
+//! row's loss and gradient NaN. The gradient is `scale * (p - onehot)` with that `p` in every case.
 //!
 //! CUDA (feature `cuda`, kernels in `cuda/cross_entropy.cu`): logits and mask f32 or bf16, math in f32.
 //! The forward is one pass per supervised row (online logsumexp, a block per row) and keeps each row's
@@ -15,7 +20,7 @@
 //! Tests: `cargo test -p askgui-kernels --test grad_ops`; on a GPU `cargo test -p askgui-kernels
 //! --features cuda --test cuda -- norm_rope_ce::cross_entropy`.
 
-use super::{contiguous_slice, dtype_mismatch, dtype_name};
+use super::{contiguous_slice, dtype_name, f32_slice, Float};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
 #[cfg(feature = "cuda")]
 use {super::gpu, candle_core::backend::BackendStorage, candle_core::CudaStorage};
@@ -23,6 +28,9 @@ use {super::gpu, candle_core::backend::BackendStorage, candle_core::CudaStorage}
 /// Checks shapes and supervised labels; returns `(N, V)`.
 fn check(op: &str, logits: &Layout, labels: &Layout, mask: &Layout) -> Result<(usize, usize)> {
     let [n, v] = logits.shape().dims() else { bail!("{op}: logits must be (N, V), got {:?}", logits.shape()) };
+    if *v == 0 {
+        bail!("{op}: logits {:?} have an empty vocabulary", logits.shape())
+    }
     if labels.shape().dims() != [*n] || mask.shape().dims() != [*n] {
         bail!(
             "{op}: labels and mask must be ({n}) to match logits {:?}, got labels {:?}, mask {:?}",
@@ -47,33 +55,80 @@ fn check_labels<T: WithDType>(op: &str, labels: &[u32], mask: &[T], v: usize) ->
     Ok(n_sup)
 }
 
-fn logsumexp<T: WithDType>(row: &[T]) -> f64 {
-    let max = row.iter().map(|v| v.to_f64()).fold(f64::NEG_INFINITY, f64::max);
-    max + row.iter().map(|v| (v.to_f64() - max).exp()).sum::<f64>().ln()
+/// The softmax of one row of logits, infinities included (see the module doc).
+#[derive(Clone, Copy, Debug)]
+enum Softmax {
+    /// `p_j = exp(x_j - lse)`: 0 for `-inf` logits; NaN everywhere when a logit is NaN (`lse` NaN).
+    Finite { lse: f64 },
+    /// `k` logits are `+inf`: the softmax is uniform over them, `1 / k` each, 0 elsewhere.
+    PosInf { k: usize },
+    /// Every logit is `-inf`: there is no distribution; the loss is `+inf` and the gradient 0.
+    AllNegInf,
+}
+
+impl Softmax {
+    fn of<T: WithDType>(row: &[T]) -> Self {
+        let (mut max, mut k, mut nan) = (f64::NEG_INFINITY, 0, false);
+        for x in row.iter().map(|x| x.to_f64()) {
+            match x {
+                f64::INFINITY => k += 1,
+                x if x.is_nan() => nan = true,
+                x => max = max.max(x),
+            }
+        }
+        match (nan, k, max) {
+            (true, _, _) => Self::Finite { lse: f64::NAN },
+            (false, 1.., _) => Self::PosInf { k },
+            (false, 0, f64::NEG_INFINITY) => Self::AllNegInf,
+            // Shifted by the largest finite logit: each term is at most 1, `-inf` logits add exactly 0.
+            _ => Self::Finite { lse: max + row.iter().map(|x| (x.to_f64() - max).exp()).sum::<f64>().ln() },
+        }
+    }
+
+    /// `-ln p(label)` for the label's logit `x`.
+    fn nll(self, x: f64) -> f64 {
+        match self {
+            // `+inf` when `x` is `-inf` (p = 0), NaN when `lse` is.
+            Self::Finite { lse } => lse - x,
+            Self::PosInf { k } if x == f64::INFINITY => (k as f64).ln(),
+            Self::PosInf { .. } | Self::AllNegInf => f64::INFINITY,
+        }
+    }
+
+    /// The probability of a logit `x`.
+    fn p(self, x: f64) -> f64 {
+        match self {
+            Self::Finite { lse } => (x - lse).exp(),
+            Self::PosInf { k } if x == f64::INFINITY => 1.0 / k as f64,
+            Self::PosInf { .. } | Self::AllNegInf => 0.0,
+        }
+    }
 }
 
 fn ce_fwd<T: WithDType>(logits: &[T], labels: &[u32], mask: &[T], v: usize, n_sup: usize) -> T {
     let mut total = 0f64;
     for ((row, &l), m) in logits.chunks_exact(v).zip(labels).zip(mask) {
         if m.to_f64() != 0.0 {
-            total += logsumexp(row) - row[l as usize].to_f64();
+            total += Softmax::of(row).nll(row[l as usize].to_f64());
         }
     }
     T::from_f64(if n_sup == 0 { 0.0 } else { total / n_sup as f64 })
 }
 
-/// `scale * (softmax - onehot)` on supervised rows, zeros elsewhere; `scale = grad / n_supervised`.
+/// `scale * (softmax - onehot)` on supervised rows, zeros elsewhere (and on rows whose logits are all
+/// `-inf`); `scale = grad / n_supervised`.
 fn ce_bwd<T: WithDType>(logits: &[T], labels: &[u32], mask: &[T], v: usize, scale: f64) -> Vec<T> {
     let mut out = Vec::with_capacity(logits.len());
     for ((row, &l), m) in logits.chunks_exact(v).zip(labels).zip(mask) {
-        if m.to_f64() == 0.0 {
+        let softmax = (m.to_f64() != 0.0).then(|| Softmax::of(row));
+        let Some(softmax) = softmax.filter(|s| !matches!(s, Softmax::AllNegInf)) else {
             out.extend(std::iter::repeat_n(T::from_f64(0.0), v));
             continue;
-        }
-        let lse = logsumexp(row);
-        let start = out.len();
-        out.extend(row.iter().map(|x| T::from_f64(scale * (x.to_f64() - lse).exp())));
-        out[start + l as usize] -= T::from_f64(scale);
+        };
+        out.extend(row.iter().enumerate().map(|(j, x)| {
+            let onehot = if j == l as usize { 1.0 } else { 0.0 };
+            T::from_f64(scale * (softmax.p(x.to_f64()) - onehot))
+        }));
     }
     out
 }
@@ -94,6 +149,16 @@ impl CrossEntropyMasked {
             #[cfg(feature = "cuda")]
             saved: std::sync::Mutex::new(None),
         }
+    }
+
+    /// The CPU kernel: the loss (one element) or, for the backward op, dlogits `(N, V)`.
+    fn run<T: WithDType>(&self, logits: &[T], labels: &[u32], mask: &[T], v: usize) -> Result<Vec<T>> {
+        let n_sup = check_labels(self.name(), labels, mask, v)?;
+        Ok(match self.backward {
+            None => vec![ce_fwd(logits, labels, mask, v, n_sup)],
+            Some(_) if n_sup == 0 => vec![T::from_f64(0.0); logits.len()],
+            Some(g) => ce_bwd(logits, labels, mask, v, g / n_sup as f64),
+        })
     }
 
     /// The backward op for upstream gradient `g`, with what this forward saved (CUDA).
@@ -132,29 +197,16 @@ impl CustomOp3 for CrossEntropyMasked {
             CpuStorage::U32(_) => contiguous_slice::<u32>(s2, l2, name, "labels")?,
             _ => bail!("{name}: labels must be u32, got {} {:?}", dtype_name(s2), l2.shape()),
         };
-        fn run<T: WithDType>(
-            k: &CrossEntropyMasked,
-            s1: &CpuStorage,
-            l1: &Layout,
-            labels: &[u32],
-            s3: &CpuStorage,
-            l3: &Layout,
-            v: usize,
-        ) -> Result<CpuStorage> {
-            let name = k.name();
-            let (logits, mask) =
-                (contiguous_slice::<T>(s1, l1, name, "logits")?, contiguous_slice::<T>(s3, l3, name, "mask")?);
-            let n_sup = check_labels(name, labels, mask, v)?;
-            Ok(match k.backward {
-                None => T::to_cpu_storage_owned(vec![ce_fwd(logits, labels, mask, v, n_sup)]),
-                Some(_) if n_sup == 0 => T::to_cpu_storage_owned(vec![T::from_f64(0.0); logits.len()]),
-                Some(g) => T::to_cpu_storage_owned(ce_bwd(logits, labels, mask, v, g / n_sup as f64)),
-            })
-        }
-        let out = match (s1, s3) {
-            (CpuStorage::F32(_), CpuStorage::F32(_)) => run::<f32>(self, s1, l1, labels, s3, l3, v)?,
-            (CpuStorage::F64(_), CpuStorage::F64(_)) => run::<f64>(self, s1, l1, labels, s3, l3, v)?,
-            _ => return Err(dtype_mismatch(name, &[("logits", s1, l1), ("mask", s3, l3)])),
+        let out = match Float::of(name, &[("logits", s1, l1), ("mask", s3, l3)])? {
+            Float::F64 => {
+                let (logits, mask) =
+                    (contiguous_slice(s1, l1, name, "logits")?, contiguous_slice(s3, l3, name, "mask")?);
+                f64::to_cpu_storage_owned(self.run::<f64>(logits, labels, mask, v)?)
+            }
+            Float::F32(out) => {
+                let (logits, mask) = (f32_slice(s1, l1, name, "logits")?, f32_slice(s3, l3, name, "mask")?);
+                out.store(self.run::<f32>(&logits, labels, &mask, v)?)
+            }
         };
         let shape = if self.backward.is_some() { Shape::from((n, v)) } else { Shape::from(()) };
         Ok((out, shape))
@@ -210,7 +262,7 @@ impl CustomOp3 for CrossEntropyMasked {
     }
 }
 
-/// Mean cross-entropy of `logits (N, V)` (f32 or f64) against `labels (N)` u32 over the positions where
+/// Mean cross-entropy of `logits (N, V)` (f32, f64 or bf16) against `labels (N)` u32 over the positions where
 /// `mask (N)` (any dtype; converted to the logits dtype) is non-zero. Returns a scalar; 0 when nothing is
 /// supervised. Gradient for `logits` only.
 pub fn cross_entropy_masked(logits: &Tensor, labels: &Tensor, mask: &Tensor) -> Result<Tensor> {

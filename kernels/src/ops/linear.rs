@@ -5,13 +5,15 @@
 //! returns `None` for `w`, so `w` never enters the `GradStore`; `dx = grad @ w` is all that is computed.
 //! The CPU forward is one call to the `gemm` crate (the multithreaded, SIMD GEMM candle's own CPU matmul
 //! uses); its twin is [`frozen_linear_reference`], candle's matmul, which the tests compare against.
+//! bf16 on the CPU (where candle 0.11 has no bf16 matmul): widened to f32, the f32 GEMM, `y` rounded once;
+//! the CPU backward's `grad @ w` is the same GEMM (`FrozenLinearGrad`), with no weight copy.
 //! CUDA (feature `cuda`): candle's own cuBLAS GEMM on the storages (`BackendStorage::matmul` with `w` read
 //! transposed through its strides, no copy), f32 or bf16; the backward is candle's matmul, on the GPU too.
 //! Tests: `cargo test -p askgui-kernels --test grad_ops`; on a GPU `cargo test -p askgui-kernels
 //! --features cuda --test cuda -- norm_rope_ce::frozen_linear`.
 
 use super::gemm::{matmul, View};
-use super::{contiguous_slice, dtype_name};
+use super::{contiguous_slice, f32_slice, Float};
 #[cfg(feature = "cuda")]
 use candle_core::{backend::BackendStorage, CudaStorage};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, WithDType, D};
@@ -49,22 +51,15 @@ impl CustomOp2 for FrozenLinear {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (d_in, _, out_shape) = check(l1, l2)?;
         let name = self.name();
-        let y = match (s1, s2) {
-            (CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                let (x, w) = (contiguous_slice::<f32>(s1, l1, name, "x")?, contiguous_slice(s2, l2, name, "w")?);
-                f32::to_cpu_storage_owned(linear_fwd(x, w, d_in))
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_)) => {
+        let y = match Float::of(name, &[("x", s1, l1), ("w", s2, l2)])? {
+            Float::F64 => {
                 let (x, w) = (contiguous_slice::<f64>(s1, l1, name, "x")?, contiguous_slice(s2, l2, name, "w")?);
                 f64::to_cpu_storage_owned(linear_fwd(x, w, d_in))
             }
-            _ => bail!(
-                "frozen_linear: x and w must both be f32 or both f64 on CPU, got x {} {:?}, w {} {:?}",
-                dtype_name(s1),
-                l1.shape(),
-                dtype_name(s2),
-                l2.shape()
-            ),
+            Float::F32(out) => {
+                let (x, w) = (f32_slice(s1, l1, name, "x")?, f32_slice(s2, l2, name, "w")?);
+                out.store(linear_fwd(&x, &w, d_in))
+            }
         };
         Ok((y, out_shape))
     }
@@ -99,10 +94,53 @@ impl CustomOp2 for FrozenLinear {
             return Ok((None, None));
         }
         // (N, out) @ (out, in) -> (N, in). Detached operands: this product must not itself grow a graph.
-        let d_out = grad.dim(D::Minus1)?;
-        let g2 = grad.detach().contiguous()?.reshape(((), d_out))?;
-        let dx = g2.matmul(&w.detach())?.reshape(x.shape())?;
+        let (grad, w) = (grad.detach().contiguous()?, w.detach().contiguous()?);
+        let dx = match grad.device().is_cpu() {
+            true => grad.apply_op2_no_bwd(&w, &FrozenLinearGrad)?,
+            false => grad.reshape(((), grad.dim(D::Minus1)?))?.matmul(&w)?.reshape(x.shape())?,
+        };
         Ok((Some(dx), None))
+    }
+}
+
+/// The CPU backward of [`FrozenLinear`]: `dx (.., in) = grad (.., out) @ w (out, in)`, the forward's GEMM
+/// with `w` read as it is (candle's CPU matmul has no bf16).
+struct FrozenLinearGrad;
+
+/// `dx (n, in) = g (n, out) @ w (out, in)`.
+fn linear_grad<T: WithDType>(g: &[T], w: &[T], n: usize, d_out: usize, d_in: usize) -> Vec<T> {
+    let mut dx = vec![T::zero(); n * d_in];
+    let (g, w) = (View::rows(g, n, d_out, d_out), View::rows(w, d_out, d_in, d_in));
+    matmul(&mut dx, d_in, g, w, T::one(), false, true);
+    dx
+}
+
+impl CustomOp2 for FrozenLinearGrad {
+    fn name(&self) -> &'static str {
+        "frozen_linear_bwd"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let name = self.name();
+        let (gd, wd) = (l1.shape().dims(), l2.shape().dims());
+        let (Some((&d_out, lead)), [w_out, d_in]) = (gd.split_last(), wd) else {
+            bail!("{name}: expected grad (.., out) and w (out, in), got grad {:?}, w {:?}", l1.shape(), l2.shape())
+        };
+        if d_out != *w_out {
+            bail!("{name}: grad {:?} and w {:?} disagree on the `out` dimension", l1.shape(), l2.shape())
+        }
+        let (n, d_in) = (lead.iter().product::<usize>(), *d_in);
+        let dx = match Float::of(name, &[("grad", s1, l1), ("w", s2, l2)])? {
+            Float::F64 => {
+                let (g, w) = (contiguous_slice::<f64>(s1, l1, name, "grad")?, contiguous_slice(s2, l2, name, "w")?);
+                f64::to_cpu_storage_owned(linear_grad(g, w, n, d_out, d_in))
+            }
+            Float::F32(out) => {
+                let (g, w) = (f32_slice(s1, l1, name, "grad")?, f32_slice(s2, l2, name, "w")?);
+                out.store(linear_grad(&g, &w, n, d_out, d_in))
+            }
+        };
+        Ok((dx, Shape::from(lead.iter().copied().chain([d_in]).collect::<Vec<_>>())))
     }
 }
 

@@ -15,9 +15,11 @@
 //! - [`attention`](mod@attention): [`attention()`](fn@attention) (streaming FlashAttention-2 softmax, GQA, masks).
 //! - [`rope`](mod@rope): [`rope()`] (rotate-half RoPE, M-RoPE and vision tables; gradient for `x` only).
 //!
-//! CPU kernels accept f32 and f64 (f64 so that finite-difference checks are meaningful); other dtypes and
-//! non-contiguous layouts are refused with a message that prints the shapes (the public wrappers make
-//! inputs contiguous first). Run the tests with `cargo test -p askgui-kernels --test grad_ops`.
+//! CPU kernels accept f32, f64 (so that finite-difference checks are meaningful) and bf16 (the GPU's
+//! dtype, because candle 0.11 has no bf16 CPU matmul): bf16 inputs are widened to f32 ([`f32_slice`]), the
+//! f32 kernel runs, and each output is rounded to bf16 once ([`F32Out`]). Mixed dtypes and non-contiguous
+//! layouts are refused with a message that prints the shapes (the public wrappers make inputs contiguous
+//! first). Run the tests with `cargo test -p askgui-kernels --test grad_ops`.
 
 pub mod attention;
 pub mod cross_entropy;
@@ -35,6 +37,8 @@ pub use norm::{layer_norm, layer_norm_frozen, rms_norm, rms_norm_frozen};
 pub use rope::rope;
 
 use candle_core::{bail, CpuStorage, Layout, Result, WithDType};
+use half::bf16;
+use std::borrow::Cow;
 
 /// The contiguous slice of `storage` described by `layout`, or an error naming the op and the input.
 pub(crate) fn contiguous_slice<'a, T: WithDType>(
@@ -54,12 +58,71 @@ pub(crate) fn contiguous_slice<'a, T: WithDType>(
     }
 }
 
-/// The error for inputs that are not all f32 or all f64: each input's name, dtype and shape.
+/// How a CPU op computes on its float inputs, which share one storage dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Float {
+    /// f64 storage: the kernel runs in f64.
+    F64,
+    /// f32 or bf16 storage: the kernel runs in f32 on [`f32_slice`]s; the output is stored as said.
+    F32(F32Out),
+}
+
+/// The storage of an f32 kernel's output: the inputs' dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum F32Out {
+    F32,
+    /// Rounded once, to nearest even (`bf16::from_f32`): 2^-9 relative error at most.
+    Bf16,
+}
+
+impl Float {
+    /// The dtype `inputs` share, or the error that names each input's dtype and shape.
+    pub(crate) fn of(op: &str, inputs: &[(&str, &CpuStorage, &Layout)]) -> Result<Self> {
+        let float = |s: &CpuStorage| match s {
+            CpuStorage::F64(_) => Some(Self::F64),
+            CpuStorage::F32(_) => Some(Self::F32(F32Out::F32)),
+            CpuStorage::BF16(_) => Some(Self::F32(F32Out::Bf16)),
+            _ => None,
+        };
+        let first = inputs.first().and_then(|i| float(i.1));
+        match first {
+            Some(f) if inputs.iter().all(|i| float(i.1) == Some(f)) => Ok(f),
+            _ => Err(dtype_mismatch(op, inputs)),
+        }
+    }
+}
+
+impl F32Out {
+    /// The kernel's f32 results as storage of the inputs' dtype.
+    pub(crate) fn store(self, v: Vec<f32>) -> CpuStorage {
+        match self {
+            Self::F32 => CpuStorage::F32(v),
+            Self::Bf16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
+        }
+    }
+}
+
+/// The contiguous part of an f32 or bf16 `storage` described by `layout`, as f32: borrowed for f32,
+/// widened (exactly) for bf16; an error naming the op and the input otherwise.
+pub(crate) fn f32_slice<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str, what: &str) -> Result<Cow<'a, [f32]>> {
+    match storage {
+        CpuStorage::BF16(_) => {
+            Ok(Cow::Owned(contiguous_slice::<bf16>(storage, layout, op, what)?.iter().map(|x| x.to_f32()).collect()))
+        }
+        _ => Ok(Cow::Borrowed(contiguous_slice::<f32>(storage, layout, op, what)?)),
+    }
+}
+
+/// The error for inputs that are not all f32, all f64 or all bf16: each input's name, dtype and shape.
 pub(crate) fn dtype_mismatch(op: &str, inputs: &[(&str, &CpuStorage, &Layout)]) -> candle_core::Error {
     let got: Vec<String> =
         inputs.iter().map(|(what, s, l)| format!("{what} {} {:?}", dtype_name(s), l.shape())).collect();
     let names: Vec<&str> = inputs.iter().map(|i| i.0).collect();
-    candle_core::Error::Msg(format!("{op}: {} must share f32 or f64 on CPU, got {}", names.join(", "), got.join(", ")))
+    candle_core::Error::Msg(format!(
+        "{op}: {} must share one dtype, f32, f64 or bf16, on CPU; got {}",
+        names.join(", "),
+        got.join(", ")
+    ))
 }
 
 /// The candle dtype name of a CPU storage, for error messages.

@@ -3,7 +3,8 @@
 //! The references are [`crate::rms_norm_reference`] and [`crate::layer_norm_reference`] in `norm.rs`.
 //! Row statistics and reductions are accumulated in f64 whatever the storage dtype, so the f32 op is at
 //! least as accurate as the f32 reference. `*_frozen` variants never produce a weight (or bias) gradient:
-//! their `bwd` returns `None` for those inputs, so they get no `GradStore` entry at all.
+//! their `bwd` returns `None` for those inputs, so they get no `GradStore` entry at all. CPU storage is
+//! f32, f64 or bf16 (all inputs of one dtype; bf16 runs the f32 kernel and rounds its outputs once).
 //!
 //! CUDA (feature `cuda`, kernels in `cuda/norm.cu`): f32 or bf16 storage, statistics in f32, one block per
 //! row; the backward's parameter gradients are per-block partial column sums reduced in a fixed order
@@ -11,7 +12,7 @@
 //! Tests: `cargo test -p askgui-kernels --test grad_ops`; on a GPU `cargo test -p askgui-kernels
 //! --features cuda --test cuda -- norm_rope_ce::norms`.
 
-use super::{contiguous_slice, dtype_mismatch, dtype_name};
+use super::{contiguous_slice, f32_slice, Float};
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 #[cfg(feature = "cuda")]
 use {super::gpu, candle_core::backend::BackendStorage, candle_core::CudaStorage};
@@ -87,25 +88,17 @@ impl CustomOp2 for RmsNorm {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (_, d) = rows_and_dim(self.name(), l1, &[("w", l2)])?;
-        let y = match (s1, s2) {
-            (CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                let (x, w) =
-                    (contiguous_slice::<f32>(s1, l1, "rms_norm", "x")?, contiguous_slice(s2, l2, "rms_norm", "w")?);
-                f32::to_cpu_storage_owned(rms_fwd(x, w, d, self.eps))
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_)) => {
-                let (x, w) =
-                    (contiguous_slice::<f64>(s1, l1, "rms_norm", "x")?, contiguous_slice(s2, l2, "rms_norm", "w")?);
+        let name = self.name();
+        let (_, d) = rows_and_dim(name, l1, &[("w", l2)])?;
+        let y = match Float::of(name, &[("x", s1, l1), ("w", s2, l2)])? {
+            Float::F64 => {
+                let (x, w) = (contiguous_slice::<f64>(s1, l1, name, "x")?, contiguous_slice(s2, l2, name, "w")?);
                 f64::to_cpu_storage_owned(rms_fwd(x, w, d, self.eps))
             }
-            _ => bail!(
-                "rms_norm: x and w must both be f32 or both f64 on CPU, got x {} {:?}, w {} {:?}",
-                dtype_name(s1),
-                l1.shape(),
-                dtype_name(s2),
-                l2.shape()
-            ),
+            Float::F32(out) => {
+                let (x, w) = (f32_slice(s1, l1, name, "x")?, f32_slice(s2, l2, name, "w")?);
+                out.store(rms_fwd(&x, &w, d, self.eps))
+            }
         };
         Ok((y, l1.shape().clone()))
     }
@@ -224,18 +217,17 @@ impl CustomOp3 for LayerNorm {
     ) -> Result<(CpuStorage, Shape)> {
         let name = self.name();
         let (_, d) = rows_and_dim(name, l1, &[("w", l2), ("b", l3)])?;
-        let y = match (s1, s2, s3) {
-            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                let x = contiguous_slice::<f32>(s1, l1, name, "x")?;
-                let (w, b) = (contiguous_slice(s2, l2, name, "w")?, contiguous_slice(s3, l3, name, "b")?);
-                f32::to_cpu_storage_owned(ln_fwd(x, w, b, d, self.eps))
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => {
+        let y = match Float::of(name, &[("x", s1, l1), ("w", s2, l2), ("b", s3, l3)])? {
+            Float::F64 => {
                 let x = contiguous_slice::<f64>(s1, l1, name, "x")?;
                 let (w, b) = (contiguous_slice(s2, l2, name, "w")?, contiguous_slice(s3, l3, name, "b")?);
                 f64::to_cpu_storage_owned(ln_fwd(x, w, b, d, self.eps))
             }
-            _ => return Err(dtype_mismatch(name, &[("x", s1, l1), ("w", s2, l2), ("b", s3, l3)])),
+            Float::F32(out) => {
+                let x = f32_slice(s1, l1, name, "x")?;
+                let (w, b) = (f32_slice(s2, l2, name, "w")?, f32_slice(s3, l3, name, "b")?);
+                out.store(ln_fwd(&x, &w, &b, d, self.eps))
+            }
         };
         Ok((y, l1.shape().clone()))
     }
@@ -332,18 +324,17 @@ impl CustomOp3 for NormBwd {
             (true, NormKind::Rms) => d,
             (true, NormKind::Layer) => 2 * d,
         };
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                let x = contiguous_slice::<f32>(s1, l1, name, "x")?;
-                let (w, g) = (contiguous_slice(s2, l2, name, "w")?, contiguous_slice(s3, l3, name, "grad")?);
-                f32::to_cpu_storage_owned(self.run(x, w, g, d))
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => {
+        let out = match Float::of(name, &[("x", s1, l1), ("w", s2, l2), ("grad", s3, l3)])? {
+            Float::F64 => {
                 let x = contiguous_slice::<f64>(s1, l1, name, "x")?;
                 let (w, g) = (contiguous_slice(s2, l2, name, "w")?, contiguous_slice(s3, l3, name, "grad")?);
                 f64::to_cpu_storage_owned(self.run(x, w, g, d))
             }
-            _ => return Err(dtype_mismatch(name, &[("x", s1, l1), ("w", s2, l2), ("grad", s3, l3)])),
+            Float::F32(out) => {
+                let x = f32_slice(s1, l1, name, "x")?;
+                let (w, g) = (f32_slice(s2, l2, name, "w")?, f32_slice(s3, l3, name, "grad")?);
+                out.store(self.run(&x, &w, &g, d))
+            }
         };
         Ok((out, Shape::from(l1.shape().elem_count() + params)))
     }

@@ -30,8 +30,8 @@
 //!
 //! `cos` and `sin` are constants: the tables are a fixed function of positions and are never trained, so
 //! `bwd` returns `None` for them always, and the wrapper detaches them, so that they get no `GradStore`
-//! entry even when they are `Var`s (or computed from `Var`s). CPU kernels accept f32 and f64 and compute
-//! each element in f64. Tests: `cargo test -p askgui-kernels --test grad_rope -- --nocapture`.
+//! entry even when they are `Var`s (or computed from `Var`s). CPU kernels accept f32, f64 and bf16 (x
+//! and tables of one dtype; bf16 widened to f32, rounded once on output) and compute each element in f64. Tests: `cargo test -p askgui-kernels --test grad_rope -- --nocapture`.
 //!
 //! CUDA (feature `cuda`, kernel in `cuda/rope.cu`): f32 or bf16 storage (x and tables of one dtype), math
 //! in f32, one thread per pair; the tables are read through their broadcast strides, passed by value
@@ -39,7 +39,7 @@
 //! same op in the transpose direction, so it runs on the GPU too. GPU tests:
 //! `cargo test -p askgui-kernels --features cuda --test cuda -- norm_rope_ce::rope`.
 
-use super::dtype_mismatch;
+use super::{contiguous_slice, f32_slice, Float};
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 #[cfg(feature = "cuda")]
 use {super::gpu, candle_core::backend::BackendStorage, candle_core::CudaStorage};
@@ -127,9 +127,13 @@ fn rope_kernel<T: WithDType>(
     y
 }
 
-/// The slice a (possibly broadcast) table lives in, and its row offsets into it.
-fn table<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, dims: &[usize]) -> Result<(&'a [T], Vec<usize>)> {
-    Ok((T::cpu_storage_as_slice(s)?, row_offsets(dims, l)))
+/// The span of storage a (possibly broadcast) table view reads, as a contiguous layout, and each row's
+/// offset into that span.
+fn table_span(l: &Layout, dims: &[usize]) -> (Layout, Vec<usize>) {
+    let (start, d) = (l.start_offset(), dims.last().copied().unwrap_or(0));
+    let rows = row_offsets(dims, l);
+    let end = rows.iter().max().map_or(start, |&r| r + d);
+    (Layout::contiguous_with_offset(end - start, start), rows.into_iter().map(|r| r - start).collect())
 }
 
 impl CustomOp3 for Rope {
@@ -152,19 +156,18 @@ impl CustomOp3 for Rope {
         let name = self.name();
         let d = check_layouts(name, l1, l2, l3)?;
         let dims = l1.shape().dims();
-        let (start, end) = (l1.start_offset(), l1.start_offset() + l1.shape().elem_count());
-        let y = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                let (c, cr) = table::<f32>(s2, l2, dims)?;
-                let (s, sr) = table::<f32>(s3, l3, dims)?;
-                f32::to_cpu_storage_owned(rope_kernel(&x[start..end], (c, &cr), (s, &sr), d, self.dir))
+        let ((cl, cr), (sl, sr)) = (table_span(l2, dims), table_span(l3, dims));
+        let y = match Float::of(name, &[("x", s1, l1), ("cos", s2, l2), ("sin", s3, l3)])? {
+            Float::F64 => {
+                let x = contiguous_slice::<f64>(s1, l1, name, "x")?;
+                let (c, s) = (contiguous_slice(s2, &cl, name, "cos")?, contiguous_slice(s3, &sl, name, "sin")?);
+                f64::to_cpu_storage_owned(rope_kernel(x, (c, &cr), (s, &sr), d, self.dir))
             }
-            (CpuStorage::F64(x), CpuStorage::F64(_), CpuStorage::F64(_)) => {
-                let (c, cr) = table::<f64>(s2, l2, dims)?;
-                let (s, sr) = table::<f64>(s3, l3, dims)?;
-                f64::to_cpu_storage_owned(rope_kernel(&x[start..end], (c, &cr), (s, &sr), d, self.dir))
+            Float::F32(out) => {
+                let x = f32_slice(s1, l1, name, "x")?;
+                let (c, s) = (f32_slice(s2, &cl, name, "cos")?, f32_slice(s3, &sl, name, "sin")?);
+                out.store(rope_kernel(&x, (&c, &cr), (&s, &sr), d, self.dir))
             }
-            _ => return Err(dtype_mismatch(name, &[("x", s1, l1), ("cos", s2, l2), ("sin", s3, l3)])),
         };
         Ok((y, l1.shape().clone()))
     }
