@@ -6,15 +6,17 @@
 //! f32 gradients of q, k, v against candle's autograd through the reference, and the f64 gradients against
 //! central finite differences. Query rows with no visible key are compared only through their documented
 //! behaviour (exact 0 output, no gradient), since the reference returns an arbitrary finite average there.
+//! In bf16, the op and its backward op against the f32 ones on the same bf16-rounded inputs.
 //! Run: `cargo test -p askgui-kernels --test grad_attention -- --nocapture` (prints the measured differences).
 
 mod common;
 
 use anyhow::{ensure, Result};
 use askgui_kernels::ops::attention;
+use askgui_kernels::ops::attention::attention_grads_recomputing_lse;
 use askgui_kernels::{attention_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor, Var};
-use common::flat;
+use common::{bf16, flat};
 
 /// f32 forward tolerance, `tol * (1 + |ref|)`: the reference's f32 softmax and matmul over at most 150
 /// keys round to ~1e-7 relative; the op accumulates in f64 and rounds once.
@@ -154,6 +156,35 @@ fn forward_and_gradients_match_reference() -> Result<()> {
     Ok(())
 }
 
+/// In bf16, Attention is the f32 op on the bf16-rounded q, k, v with `O` rounded once, and AttentionBwd
+/// the f32 backward op on its own inputs `[q, O, dO]`, k, v with the gradients rounded once. `O` is one of
+/// those inputs, so the f32 twin of the backward gets the bf16 `O` (through
+/// `attention_grads_recomputing_lse`, whose recomputed logsumexp is the f32 forward's); `dO = r` holds bf16
+/// values. Tolerance: [`common::bf16::ROUNDING`]. Rows with no visible key are 0 on both sides.
+#[test]
+fn bf16_is_the_f32_op_rounded_once() -> Result<()> {
+    for case in cases() {
+        let [q, k, v] = case.inputs(DType::F32)?;
+        let ((qb, qf), (kb, kf), (vb, vf)) = (bf16::pair(&q)?, bf16::pair(&k)?, bf16::pair(&v)?);
+        let (qb, kb, vb) = (Var::from_tensor(&qb)?, Var::from_tensor(&kb)?, Var::from_tensor(&vb)?);
+        let pad = case.padding()?;
+        let (padb, scale) = (pad.as_ref().map(|p| p.to_dtype(DType::BF16)).transpose()?, case.scale());
+        let yb = attention(&qb, &kb, &vb, case.mask(), padb.as_ref(), scale)?;
+        let yf = attention(&qf, &kf, &vf, case.mask(), pad.as_ref(), scale)?;
+        bf16::check(&format!("{} forward", case.name), &yb, &yf)?;
+
+        let r = tensor(yb.dims(), 99, DType::BF16)?;
+        let g = (&yb * &r)?.sum_all()?.backward()?;
+        let (ob, rf) = (yb.detach().to_dtype(DType::F32)?, r.to_dtype(DType::F32)?);
+        let want = attention_grads_recomputing_lse(&qf, &kf, &vf, &ob, &rf, case.mask(), pad.as_ref(), case.scale())?;
+        for ((what, t), want) in [("dq", &qb), ("dk", &kb), ("dv", &vb)].into_iter().zip(&want) {
+            let got = g.get(t).ok_or_else(|| anyhow::anyhow!("{}: missing {what}", case.name))?;
+            bf16::check(&format!("{} {what}", case.name), got, want)?;
+        }
+    }
+    Ok(())
+}
+
 /// `sum(attention(q, k, v) * r)` in f64.
 fn loss(case: &Case, xs: &[Tensor], r: &Tensor) -> Result<Tensor> {
     let pad = case.padding()?.map(|p| p.to_dtype(DType::F64)).transpose()?;
@@ -228,6 +259,6 @@ fn bad_inputs_are_refused_with_shapes() -> Result<()> {
     let pad = Tensor::ones((1, 5), DType::F32, &Device::Cpu)?;
     expect(attention(&q, &kv, &kv, AttentionMask::None, Some(&pad), 1.0), "key_padding must be (B, Tk)")?;
     let q64 = q.to_dtype(DType::F64)?;
-    expect(attention(&q64, &kv, &kv, AttentionMask::None, None, 1.0), "f32 or f64")?;
+    expect(attention(&q64, &kv, &kv, AttentionMask::None, None, 1.0), "f32, f64 or bf16")?;
     Ok(())
 }

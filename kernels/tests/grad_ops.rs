@@ -2,7 +2,10 @@
 //!
 //! Each op is checked three ways, on odd sizes: its forward against its plain-candle `*_reference` twin
 //! (f32), its backward against candle's autograd through that reference (f32), and its backward against
-//! central finite differences (f64). Frozen inputs must get no `GradStore` entry at all.
+//! central finite differences (f64). Frozen inputs must get no `GradStore` entry at all. In bf16, each op's
+//! forward and backward are checked against the same op in f32 on the bf16-rounded inputs
+//! ([`common::bf16`]); the masked cross-entropy is also checked on infinite and NaN logits, against
+//! values derived by hand.
 //! Run: `cargo test -p askgui-kernels --test grad_ops -- --nocapture` (prints the measured differences).
 
 mod common;
@@ -14,7 +17,7 @@ use askgui_kernels::ops::{
 };
 use askgui_kernels::{layer_norm_reference, rms_norm_reference};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{flat, tensor};
+use common::{bf16, flat, tensor};
 
 /// f32 parity tolerance, `atol + rtol * |ref|`: both sides compute in f32-or-better, and 1e-5 covers the
 /// rounding of sums over a few hundred terms (the op accumulates in f64, the reference in f32).
@@ -94,7 +97,58 @@ fn check_finite_differences(name: &str, op: &Op<'_>, inputs: &[Tensor], check: &
     Ok(())
 }
 
+/// The op in bf16 against the op in f32 on the same bf16-rounded inputs: the forward, and the gradients of
+/// the inputs in `wrt` through `sum(y * r)`. `r` holds bf16 values, so both backward ops get the same
+/// upstream gradient and differ only by the rounding of their outputs. Inputs that are not f32 (labels)
+/// are passed as they are.
+fn check_bf16(name: &str, op: &Op<'_>, inputs: &[Tensor], wrt: &[usize]) -> Result<()> {
+    let (mut tb, mut tf) = (vec![], vec![]);
+    for t in inputs {
+        let (b, f) = match t.dtype() {
+            DType::F32 => bf16::pair(t)?,
+            _ => (t.clone(), t.clone()),
+        };
+        let var = |t: Tensor| -> Result<Tensor> {
+            Ok(if t.dtype().is_float() { Var::from_tensor(&t)?.as_tensor().clone() } else { t })
+        };
+        tb.push(var(b)?);
+        tf.push(var(f)?);
+    }
+    let (yb, yf) = (op(&tb)?, op(&tf)?);
+    let label = format!("{name} {:?}", inputs[0].dims());
+    bf16::check(&format!("{label} forward"), &yb, &yf)?;
+    let r = tensor(yb.dims(), 99, DType::BF16)?;
+    let gb = yb.mul(&r)?.sum_all()?.backward()?;
+    let gf = yf.mul(&r.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
+    for &i in wrt {
+        let (Some(b), Some(f)) = (gb.get(&tb[i]), gf.get(&tf[i])) else {
+            anyhow::bail!("{label}: input {i} is missing a gradient")
+        };
+        bf16::check(&format!("{label} grad[{i}]"), b, f)?;
+    }
+    Ok(())
+}
+
 const SHAPES: [&[usize]; 2] = [&[7, 13], &[3, 5, 31]];
+
+#[test]
+fn ops_in_bf16_are_the_f32_ops_rounded_once() -> Result<()> {
+    for dims in SHAPES {
+        let d = *dims.last().unwrap();
+        let (x, w, b) = (tensor(dims, 1, DType::F32)?, tensor(&[d], 2, DType::F32)?, tensor(&[d], 3, DType::F32)?);
+        let rms: &Op = &|t| rms_norm(&t[0], &t[1], EPS);
+        check_bf16("rms_norm", rms, &[x.clone(), w.clone()], &[0, 1])?;
+        let ln: &Op = &|t| layer_norm(&t[0], &t[1], &t[2], EPS);
+        check_bf16("layer_norm", ln, &[x.clone(), w, b], &[0, 1, 2])?;
+        let lin: &Op = &|t| frozen_linear(&t[0], &t[1]);
+        check_bf16("frozen_linear", lin, &[x, tensor(&[11, d], 7, DType::F32)?], &[0])?;
+    }
+    for (n, v) in [(7, 13), (15, 31)] {
+        let ce: &Op = &|t| cross_entropy_masked(&t[0], &t[1], &t[2]);
+        check_bf16("cross_entropy", ce, &ce_inputs(n, v, DType::F32)?, &[0])?;
+    }
+    Ok(())
+}
 
 #[test]
 fn rms_norm_matches_reference_and_finite_differences() -> Result<()> {
@@ -193,6 +247,97 @@ fn cross_entropy_with_nothing_supervised_is_zero_with_zero_gradient() -> Result<
     Ok(())
 }
 
+/// Loss and dlogits of `cross_entropy_masked` on rows of 4 logits, differentiating `1.5 * loss`.
+fn ce_on(rows: &[[f32; 4]], labels: &[u32], mask: &[f32], dtype: DType) -> Result<(f64, Vec<Vec<f64>>)> {
+    let flat_rows: Vec<f32> = rows.concat();
+    let logits = Var::from_tensor(&Tensor::from_vec(flat_rows, (rows.len(), 4), &Device::Cpu)?.to_dtype(dtype)?)?;
+    let labels = Tensor::new(labels, &Device::Cpu)?;
+    let loss = cross_entropy_masked(&logits, &labels, &Tensor::new(mask, &Device::Cpu)?)?;
+    let g = (&loss * 1.5)?.backward()?;
+    let d = g.get(&logits).ok_or_else(|| anyhow::anyhow!("no gradient for the logits"))?;
+    let d = d.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+    Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, d))
+}
+
+/// `got` equals `want` where `want` is finite, and is the same infinity or NaN elsewhere. Finite values
+/// within `1e-6 + rtol |want|`: 1e-6 for f32 arithmetic on values below 1, plus `rtol = 2^-8` in bf16
+/// (each output rounded once to 8 significant bits), 0 otherwise.
+fn ensure_values_in(dtype: DType, what: &str, got: &[f64], want: &[f64]) -> Result<()> {
+    let rtol = if dtype == DType::BF16 { 1.0 / 256.0 } else { 0.0 };
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let close = (g - w).abs() <= 1e-6 + rtol * w.abs();
+        let ok = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() {
+            g == w
+        } else {
+            close
+        };
+        ensure!(ok, "{what}[{i}]: {g} vs {w} (all: {got:?} vs {want:?})");
+    }
+    Ok(())
+}
+
+fn ensure_values(what: &str, got: &[f64], want: &[f64]) -> Result<()> {
+    ensure_values_in(DType::F32, what, got, want)
+}
+
+/// Rows with `+inf` logits are uniform over them, `-inf` logits have probability 0, and an unsupervised row
+/// is ignored whatever it holds. Expected values by hand: two supervised rows with softmax `(1/2, 0, 1/2,
+/// 0)` and loss `ln 2` each, so the mean is `ln 2` and the gradient scale is `1.5 / 2`.
+#[test]
+fn cross_entropy_with_infinite_logits_follows_the_uniform_softmax() -> Result<()> {
+    let (inf, nan) = (f32::INFINITY, f32::NAN);
+    let rows = [[inf, 0.0, inf, 1.0], [0.0, -inf, 0.0, -inf], [nan, inf, 3.0, -inf]];
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        let (loss, d) = ce_on(&rows, &[2, 0, 1], &[1.0, 1.0, 0.0], dtype)?;
+        ensure_values_in(dtype, &format!("{dtype:?} loss"), &[loss], &[std::f64::consts::LN_2])?;
+        let s = 1.5 / 2.0;
+        ensure_values_in(dtype, &format!("{dtype:?} d row 0"), &d[0], &[s * 0.5, 0.0, s * -0.5, 0.0])?;
+        ensure_values_in(dtype, &format!("{dtype:?} d row 1"), &d[1], &[s * -0.5, 0.0, s * 0.5, 0.0])?;
+        ensure_values_in(dtype, &format!("{dtype:?} d row 2 (unsupervised)"), &d[2], &[0.0; 4])?;
+    }
+    Ok(())
+}
+
+/// A label that the softmax gives probability 0 costs `+inf`: a finite label among `+inf` logits, a `-inf`
+/// label among finite ones, a row of only `-inf`. The gradient stays `scale * (p - onehot)` (scale
+/// `1.5 / 3`), except on the all-`-inf` row, which has no distribution and gets 0.
+#[test]
+fn cross_entropy_of_an_impossible_label_is_infinite() -> Result<()> {
+    let inf = f32::INFINITY;
+    let rows = [[inf, 2.0, inf, inf], [1.0, -inf, 1.0, 1.0], [-inf; 4]];
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        let (loss, d) = ce_on(&rows, &[1, 1, 0], &[1.0; 3], dtype)?;
+        ensure_values_in(dtype, &format!("{dtype:?} loss"), &[loss], &[f64::INFINITY])?;
+        let (s, t) = (1.5 / 3.0, 1.0 / 3.0);
+        ensure_values_in(dtype, &format!("{dtype:?} d row 0"), &d[0], &[s * t, -s, s * t, s * t])?;
+        ensure_values_in(dtype, &format!("{dtype:?} d row 1"), &d[1], &[s * t, -s, s * t, s * t])?;
+        ensure_values_in(dtype, &format!("{dtype:?} d row 2 (all -inf)"), &d[2], &[0.0; 4])?;
+    }
+    // The all-`-inf` row alone: loss `+inf`, gradient 0.
+    let (loss, d) = ce_on(&[[-inf; 4]], &[3], &[1.0], DType::F32)?;
+    ensure_values("all -inf alone", &[loss, d[0][0], d[0][1], d[0][2], d[0][3]], &[f64::INFINITY, 0.0, 0.0, 0.0, 0.0])
+}
+
+/// A NaN logit in a supervised row makes the loss and that row's gradient NaN; the other rows keep theirs
+/// (uniform over four equal logits: `p = 1/4`, scale `1.5 / 2`). With nothing supervised, infinities and
+/// NaN are never read: loss 0, gradient 0.
+#[test]
+fn cross_entropy_nan_propagates_and_an_all_masked_batch_stays_zero() -> Result<()> {
+    let (inf, nan) = (f32::INFINITY, f32::NAN);
+    let (loss, d) = ce_on(&[[0.0, nan, 1.0, 2.0], [0.0; 4]], &[2, 3], &[1.0, 1.0], DType::F32)?;
+    ensure_values("loss", &[loss], &[f64::NAN])?;
+    ensure_values("d row 0", &d[0], &[f64::NAN; 4])?;
+    let s = 1.5 / 2.0;
+    ensure_values("d row 1", &d[1], &[s * 0.25, s * 0.25, s * 0.25, s * -0.75])?;
+
+    let rows = [[nan, inf, 0.0, -inf], [-inf; 4], [inf; 4]];
+    let (loss, d) = ce_on(&rows, &[0, 1, 2], &[0.0; 3], DType::F32)?;
+    ensure_values("all masked loss", &[loss], &[0.0])?;
+    ensure_values("all masked gradient", &d.concat(), &[0.0; 12])
+}
+
 /// The point of the frozen variants: a frozen weight, even a `Var`, never enters the `GradStore`,
 /// whereas candle's autograd through the plain reference does store one.
 #[test]
@@ -227,6 +372,8 @@ fn bad_shapes_and_dtypes_are_refused_with_the_shapes_in_the_message() -> Result<
     ensure!(err.contains("[12]") && err.contains("[7, 13]"), "unexpected message: {err}");
     let err = frozen_linear(&x, &tensor(&[4, 13], 2, DType::F64)?).unwrap_err().to_string();
     ensure!(err.contains("f64") && err.contains("f32"), "unexpected message: {err}");
+    let err = rms_norm(&x.to_dtype(DType::BF16)?, &tensor(&[13], 2, DType::F32)?, EPS).unwrap_err().to_string();
+    ensure!(err.contains("x bf16 [7, 13]") && err.contains("w f32 [13]"), "unexpected message: {err}");
     let labels = Tensor::new(&[0u32, 99, 1, 2, 3, 4, 5], &Device::Cpu)?;
     let ones = Tensor::ones(7, DType::F32, &Device::Cpu)?;
     let err = cross_entropy_masked(&x, &labels, &ones).unwrap_err().to_string();

@@ -4,7 +4,8 @@
 //! `(1, T, D)` and `(T, D)` tables, vision `(P, H, D)` with `(P, 1, D)`, M-RoPE and vision 2D tables built by
 //! the reference table functions): forward vs the reference (f32), gradient vs candle's autograd through
 //! the reference (f32), gradient vs central finite differences (f64), and no `GradStore` entry for the
-//! tables even when they are `Var`s. Run: `cargo test -p askgui-kernels --test grad_rope -- --nocapture`.
+//! tables even when they are `Var`s; in bf16, the f32 op on the rounded inputs, rounded once.
+//! Run: `cargo test -p askgui-kernels --test grad_rope -- --nocapture`.
 
 mod common;
 
@@ -13,7 +14,7 @@ use askgui_kernels::ops::rope;
 use askgui_kernels::rope::inv_freq;
 use askgui_kernels::{mrope_cos_sin_reference, rope_reference, vision_rope_cos_sin_reference};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{flat, tensor};
+use common::{bf16, flat, tensor};
 
 /// Absolute tolerance of the f32 comparisons: every output is a sum of two products of values below 1 in
 /// magnitude, so f32 rounding (the reference rounds each product, the op rounds once from f64) stays
@@ -170,6 +171,30 @@ fn non_contiguous_x_is_handled_by_the_wrapper() -> Result<()> {
     Ok(())
 }
 
+/// In bf16 the op (forward, and its transpose in the backward) is the f32 op on the bf16-rounded x and
+/// tables, with each output rounded once ([`common::bf16::ROUNDING`]); the upstream gradient `r` holds bf16
+/// values, so both backward ops get the same input.
+#[test]
+fn bf16_is_the_f32_op_rounded_once() -> Result<()> {
+    let cases: [(&[usize], &[usize]); 3] =
+        [(&[2, 3, 5, 10], &[2, 1, 5, 10]), (&[2, 3, 5, 10], &[5, 10]), (&[7, 3, 6], &[7, 1, 6])];
+    for (x_dims, t_dims) in cases {
+        let (c, s) = random_tables(t_dims, 41, DType::F32)?;
+        let ((cb, cf), (sb, sf)) = (bf16::pair(&c)?, bf16::pair(&s)?);
+        let (xb, xf) = bf16::pair(&tensor(x_dims, 42, DType::F32)?)?;
+        let (xb, xf) = (Var::from_tensor(&xb)?, Var::from_tensor(&xf)?);
+        let (yb, yf) = (rope(&xb, &cb, &sb)?, rope(&xf, &cf, &sf)?);
+        let label = format!("rope x {x_dims:?} tables {t_dims:?}");
+        bf16::check(&format!("{label} forward"), &yb, &yf)?;
+        let r = tensor(x_dims, 43, DType::BF16)?;
+        let gb = yb.mul(&r)?.sum_all()?.backward()?;
+        let gf = yf.mul(&r.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
+        let (Some(gb), Some(gf)) = (gb.get(&xb), gf.get(&xf)) else { anyhow::bail!("{label}: no gradient for x") };
+        bf16::check(&format!("{label} grad"), gb, gf)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_shapes_and_dtypes_are_refused_with_the_shapes_in_the_message() -> Result<()> {
     let x = tensor(&[2, 3, 5, 10], 31, DType::F32)?;
@@ -199,8 +224,8 @@ fn bad_shapes_and_dtypes_are_refused_with_the_shapes_in_the_message() -> Result<
 
     let e = err(rope(&x.to_dtype(DType::F64)?, &cos, &sin));
     ensure!(e.contains("f64") && e.contains("f32"), "dtype mismatch: {e}");
-    let e = err(rope(&x.to_dtype(DType::BF16)?, &cos.to_dtype(DType::BF16)?, &sin.to_dtype(DType::BF16)?));
-    ensure!(e.contains("bf16"), "bf16: {e}");
+    let e = err(rope(&x.to_dtype(DType::BF16)?, &cos, &sin));
+    ensure!(e.contains("x bf16 [2, 3, 5, 10]") && e.contains("cos f32"), "mixed bf16 and f32: {e}");
     eprintln!("errors refused as expected, e.g.: {}", err(rope(&x, &c8, &sin)));
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! flattening for comparisons.
 #![allow(dead_code)]
 
+pub mod bf16;
 pub mod tol;
 
 use anyhow::Result;
