@@ -9,6 +9,9 @@
 // Backward: one more pass, `scale * (exp(x - lse) - onehot)` written straight into dlogits (zeros on
 // unsupervised rows): no probability tensor is ever materialised.
 // Math in f32 (expf/logf, not the fast intrinsics: the loss of a 152k vocabulary sums 152k terms).
+// Infinite logits as the CPU op defines them: with k logits at +inf the softmax is 1/k on them (loss ln k
+// when the label is one of them, else +inf); a row of only -inf logits has loss +inf and no gradient;
+// NaN stays NaN.
 //
 // Check by hand: nvcc -ptx -arch=compute_80 -std=c++17 -Icuda cuda/cross_entropy.cu -o /tmp/ce.ptx
 #include "common.cuh"
@@ -30,23 +33,40 @@ __device__ void ce_fwd(const T* __restrict__ logits, const unsigned int* __restr
     return;
   }
   const T* row = logits + (size_t)r * v;
+  // Online (m, s): s sums exp(x - m); once m is +inf, s counts the +inf logits instead.
   float m = -INFINITY, s = 0.f;
   for (int i = threadIdx.x; i < v; i += blockDim.x) {
     const float x = to_f32(row[i]);
     if (x > m) {
-      s = s * expf(m - x) + 1.f;  // m == -inf: expf(-inf) = 0
+      s = s * expf(m - x) + 1.f;  // m == -inf or x == +inf: expf(-inf) = 0, the sum restarts at 1
       m = x;
+    } else if (x == INFINITY) {
+      s += 1.f;  // another +inf logit
     } else if (x != -INFINITY) {
       s += expf(x - m);  // NaN logits propagate through here
     }
   }
   const float mx = block_max(m, scratch);
-  const float part = m == -INFINITY ? 0.f : s * expf(m - mx);
+  float part = m == -INFINITY ? 0.f : (mx == INFINITY ? (m == INFINITY ? s : 0.f) : s * expf(m - mx));
+  if (s != s) part = s;  // a NaN seen by any thread reaches the total (fmaxf above drops NaN)
   const float total = block_sum(part, scratch);
   if (threadIdx.x == 0) {
-    const float l = mx + logf(total);
+    const float xl = to_f32(row[labels[r]]);
+    float l, nll;
+    if (total != total) {
+      l = nll = total;
+    } else if (mx == INFINITY) {  // softmax uniform over the `total` +inf logits
+      l = INFINITY;
+      nll = xl == INFINITY ? logf(total) : INFINITY;
+    } else if (mx == -INFINITY) {  // every logit -inf: no probability anywhere
+      l = -INFINITY;
+      nll = INFINITY;
+    } else {
+      l = mx + logf(total);
+      nll = l - xl;
+    }
     lse[r] = l;
-    loss[r] = l - to_f32(row[labels[r]]);
+    loss[r] = nll;
   }
 }
 
@@ -73,8 +93,21 @@ __device__ void ce_bwd(const T* __restrict__ logits, const unsigned int* __restr
   const T* row = logits + (size_t)r * v;
   const float l = lse[r];
   const int label = (int)labels[r];
+  if (l == -INFINITY) {  // every logit -inf: the forward's loss is +inf and nothing has a gradient
+    for (int i = threadIdx.x; i < v; i += blockDim.x) o[i] = from_f32<T>(0.f);
+    return;
+  }
+  // lse = +inf: the softmax is 1/k on the k +inf logits (uniform per row, so the barrier is uniform).
+  float inv_k = 0.f;
+  if (l == INFINITY) {
+    __shared__ float scratch[32];
+    float k = 0.f;
+    for (int i = threadIdx.x; i < v; i += blockDim.x) k += to_f32(row[i]) == INFINITY ? 1.f : 0.f;
+    inv_k = 1.f / block_sum(k, scratch);
+  }
   for (int i = threadIdx.x; i < v; i += blockDim.x) {
-    const float p = expf(to_f32(row[i]) - l);
+    const float x = to_f32(row[i]);
+    const float p = l == INFINITY ? (x == INFINITY ? inv_k : 0.f) : expf(x - l);
     o[i] = from_f32<T>(scale * (i == label ? p - 1.f : p));
   }
 }

@@ -44,7 +44,8 @@ pub fn compare(label: &str, dims: &[usize], got: &[f64], want: &[f64], tol: Tol)
     }
     let (mut max_abs, mut bad, mut worst) = (0f64, 0usize, None::<(usize, f64)>);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let e = (g - w).abs();
+        // Equal values (infinities included) are exact; NaN on either side is out of tolerance.
+        let e = if g == w { 0.0 } else { (g - w).abs() };
         if e > max_abs || e.is_nan() {
             max_abs = if max_abs.is_nan() { max_abs } else { e };
         }
@@ -56,7 +57,12 @@ pub fn compare(label: &str, dims: &[usize], got: &[f64], want: &[f64], tol: Tol)
             }
         }
     }
-    let line = format!("{label} {dims:?}: max abs err {max_abs:.3e}; {bad}/{} outside {:e} + {:e} |want|", got.len(), tol.atol, tol.rtol);
+    let line = format!(
+        "{label} {dims:?}: max abs err {max_abs:.3e}; {bad}/{} outside {:e} + {:e} |want|",
+        got.len(),
+        tol.atol,
+        tol.rtol
+    );
     eprintln!("{} {line}", if bad > 0 { "FAIL" } else { "ok  " });
     match worst {
         None => Ok(()),

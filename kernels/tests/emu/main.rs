@@ -15,7 +15,10 @@
 mod common;
 
 mod attention;
+mod cross_entropy;
 mod norm;
+mod rope;
+mod tiling;
 
 use askgui_kernels::emu::{self, Options, Order};
 use askgui_kernels::plan::{Caps, Elem, Plan};
