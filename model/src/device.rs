@@ -1,6 +1,10 @@
-//! `--device auto|cpu|cuda`: where a binary (trainer, server, evaluator) runs the model, chosen once at
-//! start. The CPU runs f32 weights; a CUDA GPU runs bf16 weights with f32 math in the kernels (trainable
-//! adapters keep f32 masters, [`crate::master_dtype`]). One place, so that every binary picks alike.
+//! `--device auto|cpu|cuda`, `--dtype auto|f32|bf16` and `--kernels askgui|reference`: where a binary
+//! (trainer, server, evaluator) runs the model, in which weight dtype, and through which ops, chosen once
+//! at start ([`LoadOptions`]). By default the CPU runs f32 weights and a CUDA GPU bf16 weights with f32
+//! math in the kernels (trainable adapters keep f32 masters, [`crate::master_dtype`]); `--dtype` overrides
+//! that. `--kernels reference` runs the plain-candle twins of askgui's CustomOps everywhere (as
+//! transformers' `attn_implementation="eager"`): slower and hungrier, but independent of our CUDA code,
+//! so a lab whose GPU trips a kernel is not blocked. One place, so that every binary picks alike.
 
 use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
@@ -23,6 +27,11 @@ impl DeviceKind {
     /// The device and the dtype its weights are kept in. `Auto` falls back to the CPU with a warning that
     /// says why; `Cuda` fails with an error that says what to do.
     pub fn pick(self) -> Result<(Device, DType)> {
+        self.pick_with(DTypeChoice::Auto)
+    }
+
+    /// [`Self::pick`] with the weight dtype `dtype` instead of the device's default where it names one.
+    pub fn pick_with(self, dtype: DTypeChoice) -> Result<(Device, DType)> {
         let device = match self {
             DeviceKind::Cpu => Device::Cpu,
             DeviceKind::Cuda => Device::new_cuda(0).map_err(|e| {
@@ -38,8 +47,61 @@ impl DeviceKind {
                 }
             },
         };
-        let dtype = if device.is_cuda() { DType::BF16 } else { DType::F32 };
+        let dtype = match dtype {
+            DTypeChoice::Auto if device.is_cuda() => DType::BF16,
+            DTypeChoice::Auto | DTypeChoice::F32 => DType::F32,
+            DTypeChoice::Bf16 => DType::BF16,
+        };
         Ok((device, dtype))
+    }
+}
+
+/// The weight dtype option of the binaries.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DTypeChoice {
+    /// bf16 on a CUDA GPU, f32 on the CPU.
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+}
+
+/// Which implementation of the model's ops runs (transformers' `attn_implementation`, for every op).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelChoice {
+    /// askgui's CustomOps (CPU and CUDA kernels with explicit backward) where they take the device and
+    /// dtype, the plain-candle references elsewhere.
+    #[default]
+    Askgui,
+    /// The plain-candle references everywhere, inference and training (candle's autograd): slower and
+    /// more memory, independent of askgui's kernels.
+    Reference,
+}
+
+impl KernelChoice {
+    /// How the choice reads in the log and in error messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            KernelChoice::Askgui => "askgui (CustomOps)",
+            KernelChoice::Reference => "reference (plain candle)",
+        }
+    }
+}
+
+/// How a binary loads its model: the three options, resolved together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadOptions {
+    pub device: DeviceKind,
+    pub dtype: DTypeChoice,
+    pub kernels: KernelChoice,
+}
+
+impl LoadOptions {
+    /// The device and weight dtype ([`DeviceKind::pick_with`]).
+    pub fn resolve(&self) -> Result<(Device, DType)> {
+        self.device.pick_with(self.dtype)
     }
 }
 
@@ -74,5 +136,14 @@ mod tests {
             let e = DeviceKind::Cuda.pick().unwrap_err().to_string();
             assert!(e.contains("--features cuda"), "{e}");
         }
+    }
+
+    #[test]
+    fn an_explicit_dtype_overrides_the_device_default() {
+        let (_, t) = DeviceKind::Cpu.pick_with(DTypeChoice::Bf16).unwrap();
+        assert_eq!(t, DType::BF16);
+        let o = LoadOptions { device: DeviceKind::Cpu, dtype: DTypeChoice::F32, ..Default::default() };
+        assert_eq!(o.resolve().unwrap().1, DType::F32);
+        assert_eq!(o.kernels, KernelChoice::Askgui);
     }
 }

@@ -8,6 +8,7 @@ use candle_core::{DType, Result, Tensor};
 
 use crate::checkpoint::Weights;
 use crate::config::VisionAct;
+use crate::device::KernelChoice;
 use crate::lora::LoraSlot;
 use crate::train::TrainCtx;
 
@@ -42,7 +43,7 @@ impl Linear {
 
     /// `x (..., in) -> (..., out)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.broadcast_matmul(&self.weight.t()?)?;
+        let y = matmul_t(x, &self.weight)?;
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -51,6 +52,18 @@ impl Linear {
             Some(d) => y + d.forward(x)?,
             None => Ok(y),
         }
+    }
+}
+
+/// `x (.., in) @ w (out, in)^T -> (.., out)`. candle 0.11 has no bf16 matmul on the CPU: there a frozen
+/// `w` goes through [`ops::frozen_linear`] (the f32 GEMM, gradient for `x` only), a trained one (a `Var`
+/// in full training) through f32 casts, which candle's autograd differentiates in both operands.
+pub(crate) fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let cpu_bf16 = x.device().is_cpu() && x.dtype() == DType::BF16;
+    match (cpu_bf16, w.track_op()) {
+        (false, _) => x.broadcast_matmul(&w.t()?),
+        (true, false) => ops::frozen_linear(x, w),
+        (true, true) => x.to_dtype(DType::F32)?.broadcast_matmul(&w.to_dtype(DType::F32)?.t()?)?.to_dtype(x.dtype()),
     }
 }
 
@@ -63,11 +76,15 @@ pub fn activation(x: &Tensor, act: VisionAct) -> Result<Tensor> {
     }
 }
 
-/// Whether the kernels' CustomOps take this tensor: on CPU f32 / f64, on CUDA f32 / bf16 (the `cuda`
-/// feature's kernels); elsewhere the inference forward uses the plain-candle references.
-fn has_kernel(x: &Tensor) -> bool {
+/// Whether the kernels' CustomOps take this tensor: on CPU f32 / f64 / bf16, on CUDA f32 / bf16 (the `cuda`
+/// feature's kernels); elsewhere, and always with `--kernels reference`, the inference forward uses the
+/// plain-candle references.
+fn has_kernel(x: &Tensor, kernels: KernelChoice) -> bool {
+    if kernels == KernelChoice::Reference {
+        return false;
+    }
     match x.device() {
-        candle_core::Device::Cpu => matches!(x.dtype(), DType::F32 | DType::F64),
+        candle_core::Device::Cpu => matches!(x.dtype(), DType::F32 | DType::F64 | DType::BF16),
         candle_core::Device::Cuda(_) => matches!(x.dtype(), DType::F32 | DType::BF16),
         _ => false,
     }
@@ -75,24 +92,24 @@ fn has_kernel(x: &Tensor) -> bool {
 
 /// RMSNorm for the inference forward: the kernels' op where it has a kernel, else the reference (equal
 /// to 1e-6, `kernels/tests`): one pass over each row instead of five candle ops.
-pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    match has_kernel(x) {
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, kernels: KernelChoice) -> Result<Tensor> {
+    match has_kernel(x, kernels) {
         true => ops::rms_norm_frozen(x, w, eps),
         false => askgui_kernels::rms_norm_reference(x, w, eps),
     }
 }
 
 /// LayerNorm for the inference forward, like [`rms_norm`].
-pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
-    match has_kernel(x) {
+pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, kernels: KernelChoice) -> Result<Tensor> {
+    match has_kernel(x, kernels) {
         true => ops::layer_norm_frozen(x, w, b, eps),
         false => askgui_kernels::layer_norm_reference(x, w, b, eps),
     }
 }
 
 /// Rotary embedding for the inference forward, like [`rms_norm`].
-pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    match has_kernel(x) {
+pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, kernels: KernelChoice) -> Result<Tensor> {
+    match has_kernel(x, kernels) {
         true => ops::rope(x, cos, sin),
         false => askgui_kernels::rope_reference(x, cos, sin),
     }
@@ -110,8 +127,9 @@ pub(crate) fn attention(
     mask: AttentionMask,
     key_padding: Option<&Tensor>,
     scale: f64,
+    kernels: KernelChoice,
 ) -> Result<Tensor> {
-    let has_kernel = has_kernel(q);
+    let has_kernel = has_kernel(q, kernels);
     let block_diagonal = matches!(mask, AttentionMask::BlockDiagonal(_));
     if has_kernel && !(block_diagonal && key_padding.is_some()) {
         ops::attention(q, k, v, mask, key_padding, scale)

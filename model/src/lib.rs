@@ -27,7 +27,7 @@ pub mod vision;
 pub use chat::{render_chat, Content, Message, QwenTokenizer};
 pub use checkpoint::{CheckpointFiles, Weights};
 pub use config::{Arch, ModelConfig};
-pub use device::{pin_cpu_threads, DeviceKind};
+pub use device::{pin_cpu_threads, DTypeChoice, DeviceKind, KernelChoice, LoadOptions};
 pub use error::{ModelError, Result};
 pub use generate::{generate, FinishReason, Generation, Prompt, SamplingParams, Timings};
 pub use image::{load_image, preprocess, preprocess_batch, ImageProcessorConfig, PreprocessedBatch, ProcessedImage};

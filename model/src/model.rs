@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{CheckpointFiles, Weights};
 use crate::config::{Arch, ModelConfig};
+use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::image::ImageProcessorConfig;
 use crate::text::{KvCache, TextDecoder};
@@ -76,16 +77,32 @@ pub fn mrope_positions(ids: &[u32], grid_thw: &[[usize; 3]], cfg: &ModelConfig) 
 }
 
 impl Qwen2Vl {
-    /// Loads a local directory or hub id.
+    /// Loads a local directory or hub id, with askgui's kernels.
     pub fn load(model: &str, device: &Device, dtype: DType) -> Result<Self> {
-        Self::load_files(CheckpointFiles::resolve(model)?, device, dtype)
+        Self::load_with(model, device, dtype, KernelChoice::Askgui)
+    }
+
+    /// [`Self::load`] with the ops `kernels` (`--kernels`), for inference and training alike.
+    pub fn load_with(model: &str, device: &Device, dtype: DType, kernels: KernelChoice) -> Result<Self> {
+        Self::load_files_with(CheckpointFiles::resolve(model)?, device, dtype, kernels)
     }
 
     pub fn load_files(files: CheckpointFiles, device: &Device, dtype: DType) -> Result<Self> {
+        Self::load_files_with(files, device, dtype, KernelChoice::Askgui)
+    }
+
+    /// [`Self::load_files`] with the ops `kernels`; logs the choice.
+    pub fn load_files_with(
+        files: CheckpointFiles,
+        device: &Device,
+        dtype: DType,
+        kernels: KernelChoice,
+    ) -> Result<Self> {
         let cfg = ModelConfig::from_file(&files.config)?;
         let weights = Weights::open(&files, dtype, device)?;
-        let vision = VisionTower::load(&weights, &cfg.vision, cfg.arch)?;
-        let text = TextDecoder::load(&weights, &cfg.text)?;
+        let mut vision = VisionTower::load(&weights, &cfg.vision, cfg.arch)?;
+        let mut text = TextDecoder::load(&weights, &cfg.text)?;
+        (vision.kernels, text.kernels) = (kernels, kernels);
         let (v, h) = (cfg.text.vocab_size, cfg.text.hidden_size);
         let lm_head = if cfg.tie_word_embeddings {
             text.embed_tokens.clone()
@@ -109,9 +126,11 @@ impl Qwen2Vl {
             }
         }
         // The path is chosen here, once: the kernels' ops run where they have a kernel for the device and
-        // dtype (`layers::has_kernel`), the plain-candle references elsewhere.
+        // dtype (`layers::has_kernel`), the plain-candle references elsewhere and with `--kernels reference`.
+        tracing::info!("kernels: {}", kernels.describe());
         let kernels = match (device, dtype) {
-            (Device::Cpu, DType::F32 | DType::F64) => "askgui CPU kernels (attention, norms, rope)",
+            _ if kernels == KernelChoice::Reference => "plain-candle references (--kernels reference)",
+            (Device::Cpu, DType::F32 | DType::F64 | DType::BF16) => "askgui CPU kernels (attention, norms, rope)",
             (Device::Cuda(_), DType::F32 | DType::BF16) => "askgui CUDA kernels (attention, norms, rope)",
             _ => "plain-candle references (no askgui kernel for this device and dtype)",
         };
@@ -145,6 +164,17 @@ impl Qwen2Vl {
 
     pub fn arch(&self) -> Arch {
         self.cfg.arch
+    }
+
+    /// Which ops the model runs ([`KernelChoice`]), inference and training alike.
+    pub fn kernels(&self) -> KernelChoice {
+        self.text.kernels
+    }
+
+    /// Switches the ops of a loaded model (e.g. to compare the two paths on one model); logs the choice.
+    pub fn set_kernels(&mut self, kernels: KernelChoice) {
+        tracing::info!("kernels: {}", kernels.describe());
+        (self.vision.kernels, self.text.kernels) = (kernels, kernels);
     }
 
     /// The checkpoint's tokenizer, checked against the config's image token id.
@@ -199,7 +229,7 @@ impl Qwen2Vl {
 
     /// Hidden states `(B, T, H)` -> logits `(B, T, V)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(hidden.broadcast_matmul(&self.lm_head.t()?)?)
+        Ok(crate::layers::matmul_t(hidden, &self.lm_head)?)
     }
 
     /// Runs the decoder over embeddings, appending to `cache`; see [`TextDecoder::forward`].

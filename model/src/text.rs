@@ -5,11 +5,12 @@
 //! o_proj does not (Qwen2). The cache holds keys and values after rotation, so decoding a token costs one
 //! row of attention per layer.
 
-use askgui_kernels::{mrope_cos_sin_reference, ops, AttentionMask};
+use askgui_kernels::{mrope_cos_sin_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::Weights;
 use crate::config::TextConfig;
+use crate::device::KernelChoice;
 use crate::error::Result;
 use crate::layers::Linear;
 use crate::train::TrainCtx;
@@ -74,6 +75,8 @@ pub struct TextDecoder {
     layers: Vec<Layer>,
     norm: Tensor,
     inv_freq: Tensor,
+    /// The ops of the inference path; the training path takes them from its [`TrainCtx`].
+    pub(crate) kernels: KernelChoice,
 }
 
 impl TextDecoder {
@@ -102,6 +105,7 @@ impl TextDecoder {
             layers,
             norm: w.get("model.norm.weight", &[h])?,
             inv_freq: Tensor::new(inv.as_slice(), &Device::Cpu)?,
+            kernels: KernelChoice::default(),
         })
     }
 
@@ -244,8 +248,8 @@ impl TextDecoder {
         }
         let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         let o = match train {
-            None => crate::layers::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
-            Some(_) => ops::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale)?,
+            None => crate::layers::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale, self.kernels)?,
+            Some(ctx) => ctx.attention((&q, &k, &v), AttentionMask::Causal, key_padding, scale)?,
         };
         self.attn_out_mlp(i, x, &o, train)
     }
@@ -267,7 +271,7 @@ impl TextDecoder {
             // (1, n, N, hd) -> this sequence's (1, n, len, hd)
             let part = |t: &Tensor| t.narrow(2, start, len);
             let (k, v) = append(slot, part(&k)?, part(&v)?)?;
-            outs.push(crate::layers::attention(&part(&q)?, &k, &v, AttentionMask::Causal, None, scale)?);
+            outs.push(crate::layers::attention(&part(&q)?, &k, &v, AttentionMask::Causal, None, scale, self.kernels)?);
             start += len;
         }
         self.attn_out_mlp(i, x, &Tensor::cat(&outs, 2)?, None)
@@ -286,8 +290,8 @@ impl TextDecoder {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim());
         let rot = |x: &Tensor| match train {
-            None => crate::layers::rope(x, cos, sin),
-            Some(_) => ops::rope(x, cos, sin),
+            None => crate::layers::rope(x, cos, sin, self.kernels),
+            Some(ctx) => ctx.rope(x, cos, sin),
         };
         let a = self.rms(x, &layer.input_norm, train)?;
         // (B, T, n * hd) -> (B, n, T, hd)
@@ -319,9 +323,8 @@ impl TextDecoder {
 
     fn rms(&self, x: &Tensor, w: &Tensor, train: Option<&TrainCtx>) -> candle_core::Result<Tensor> {
         match train {
-            None => crate::layers::rms_norm(x, w, self.cfg.rms_norm_eps),
-            Some(ctx) if ctx.full() => ops::rms_norm(x, w, self.cfg.rms_norm_eps),
-            Some(_) => ops::rms_norm_frozen(x, w, self.cfg.rms_norm_eps),
+            None => crate::layers::rms_norm(x, w, self.cfg.rms_norm_eps, self.kernels),
+            Some(ctx) => ctx.rms_norm(x, w, self.cfg.rms_norm_eps),
         }
     }
 

@@ -11,44 +11,105 @@
 //! and decoder take an optional [`TrainCtx`] and, when it is given, use the kernels' CustomOps with an
 //! explicit backward (`frozen_linear` for base `W`, a frozen bias add, `rms_norm_frozen` /
 //! `layer_norm_frozen`, `attention`, `rope`) so that gradients flow through the LoRA `Var`s only and the
-//! `GradStore` holds no entry for any base weight. The inference path (`ctx` None) is the code that the
-//! parity tests check, unchanged. Dropout (PEFT's `lora_dropout`) is inverted dropout on the LoRA input
-//! only, drawn from a seeded RNG, in the training path only.
+//! `GradStore` holds no entry for any base weight. With `--kernels reference` ([`KernelChoice`]) the same
+//! path runs the ops' plain-candle twins through candle's autograd instead (what the parity test
+//! `tests/kernel_choice.rs` compares). The inference path (`ctx` None) is the code that the parity tests
+//! check, unchanged. Dropout (PEFT's `lora_dropout`) is inverted dropout on the LoRA input only, drawn from
+//! a seeded RNG, in the training path only.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use askgui_kernels::ops;
+use askgui_kernels::{ops, AttentionMask};
 use candle_core::backprop::GradStore;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::grad_checkpoint::{self, Stage};
-use crate::layers::Linear;
+use crate::layers::{matmul_t, Linear};
 use crate::lora::{matches_target, Adapter, LoraConfig, LoraDelta};
 use crate::model::{mrope_positions, Qwen2Vl};
 
-/// State of one training forward: the LoRA dropout probability and its seed.
+/// State of one training forward: the LoRA dropout probability and its seed, and which ops run.
 pub struct TrainCtx {
     dropout: f64,
     seed: u64,
     /// Full training: the base weights are `Var`s and get gradients ([`Qwen2Vl::make_base_trainable`]).
     full: bool,
+    kernels: KernelChoice,
 }
 
 impl TrainCtx {
-    fn new(dropout: f64, seed: u64) -> Result<Self> {
+    fn new(dropout: f64, seed: u64, kernels: KernelChoice) -> Result<Self> {
         if !(0.0..1.0).contains(&dropout) {
             return Err(ModelError::Train(format!("lora_dropout is {dropout}; it must be in [0, 1)")));
         }
-        Ok(Self { dropout, seed, full: false })
+        Ok(Self { dropout, seed, full: false, kernels })
     }
 
-    /// Whether the base weights are trained (norms then use the ops' `Params::Trained` variants).
-    pub(crate) fn full(&self) -> bool {
-        self.full
+    fn reference(&self) -> bool {
+        self.kernels == KernelChoice::Reference
+    }
+
+    /// RMSNorm of the training path: the op with a frozen weight, or with a trained one in full
+    /// training (`Params::Trained`), or the reference, whose autograd covers both.
+    pub(crate) fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+        match (self.reference(), self.full) {
+            (true, _) => askgui_kernels::rms_norm_reference(x, w, eps),
+            (false, true) => ops::rms_norm(x, w, eps),
+            (false, false) => ops::rms_norm_frozen(x, w, eps),
+        }
+    }
+
+    /// LayerNorm of the training path, like [`Self::rms_norm`].
+    pub(crate) fn layer_norm(&self, x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+        match (self.reference(), self.full) {
+            (true, _) => askgui_kernels::layer_norm_reference(x, w, b, eps),
+            (false, true) => ops::layer_norm(x, w, b, eps),
+            (false, false) => ops::layer_norm_frozen(x, w, b, eps),
+        }
+    }
+
+    /// Rotary embedding of the training path (the tables never need a gradient).
+    pub(crate) fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+        match self.reference() {
+            true => askgui_kernels::rope_reference(x, cos, sin),
+            false => ops::rope(x, cos, sin),
+        }
+    }
+
+    /// Attention of the training path. The reference keeps the `Tq x Tk` scores for the backward.
+    pub(crate) fn attention(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        mask: AttentionMask,
+        key_padding: Option<&Tensor>,
+        scale: f64,
+    ) -> candle_core::Result<Tensor> {
+        match self.reference() {
+            true => askgui_kernels::attention_reference(q, k, v, mask, key_padding, scale),
+            false => ops::attention(q, k, v, mask, key_padding, scale),
+        }
+    }
+
+    /// `x W^T` with `W` frozen. Through the reference candle's backward also computes (and drops) a
+    /// gradient for `W`: correct, one weight-sized buffer more per linear.
+    fn frozen_linear(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        match self.reference() {
+            true => ops::frozen_linear_reference(x, w),
+            false => ops::frozen_linear(x, w),
+        }
+    }
+
+    /// The mean masked next-token cross-entropy.
+    fn cross_entropy(&self, logits: &Tensor, labels: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        match self.reference() {
+            true => ops::cross_entropy_masked_reference(logits, labels, mask),
+            false => ops::cross_entropy_masked(logits, labels, mask),
+        }
     }
 
     /// Inverted dropout on the input of linear `name`: each element kept with probability `1 - p` and
@@ -170,14 +231,20 @@ impl Linear {
     pub(crate) fn forward_train(&self, x: &Tensor, ctx: &TrainCtx) -> candle_core::Result<Tensor> {
         // (..., in) -> (..., out)
         let y = match (ctx.full, &self.bias) {
-            (true, Some(b)) => x.broadcast_matmul(&self.weight.t()?)?.broadcast_add(b)?,
-            (true, None) => x.broadcast_matmul(&self.weight.t()?)?,
-            // On CUDA, candle's broadcast add: its extra bias gradient is one row of `out` floats.
-            (false, Some(b)) if !x.device().is_cpu() => ops::frozen_linear(x, &self.weight)?.broadcast_add(b)?,
-            (false, Some(b)) => ops::frozen_linear(x, &self.weight)?
+            (true, Some(b)) => matmul_t(x, &self.weight)?.broadcast_add(b)?,
+            (true, None) => matmul_t(x, &self.weight)?,
+            // On CUDA, in bf16 and with the references, candle's broadcast add: its extra bias gradient is
+            // one row of `out` floats.
+            (false, Some(b))
+                if !x.device().is_cpu() || ctx.reference() || !matches!(x.dtype(), DType::F32 | DType::F64) =>
+            {
+                ctx.frozen_linear(x, &self.weight)?.broadcast_add(b)?
+            }
+            (false, Some(b)) => ctx
+                .frozen_linear(x, &self.weight)?
                 .contiguous()?
                 .apply_op1(FrozenBias(b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?))?,
-            (false, None) => ops::frozen_linear(x, &self.weight)?,
+            (false, None) => ctx.frozen_linear(x, &self.weight)?,
         };
         match self.lora.active_delta() {
             Some(d) => y + d.forward(&ctx.dropout(&self.name, x)?)?,
@@ -238,7 +305,7 @@ impl Qwen2Vl {
 
     /// Sets the LoRA dropout probability of adapter `name` (in `[0, 1)`; used by the training path only).
     pub fn set_adapter_dropout(&mut self, name: &str, p: f64) -> Result<()> {
-        TrainCtx::new(p, 0)?;
+        TrainCtx::new(p, 0, self.kernels())?;
         let adapter = self
             .lora
             .adapters
@@ -369,7 +436,7 @@ impl Qwen2Vl {
     /// The loss of [`Self::loss_and_grads`] without any gradient (e.g. a validation loss): no graph
     /// outlives a stage. Dropout is off. Returns the mean loss and the number of supervised tokens.
     pub fn eval_loss(&self, batch: &[TrainExample]) -> Result<(f64, usize)> {
-        let ctx = TrainCtx::new(0.0, 0)?;
+        let ctx = TrainCtx::new(0.0, 0, self.kernels())?;
         let chain = self.train_chain(batch, &ctx, (0.0, 0))?;
         let loss = grad_checkpoint::forward_loss(&chain.x0, &chain.stages)?;
         Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, chain.supervised))
@@ -380,7 +447,7 @@ impl Qwen2Vl {
             return Err(ModelError::Train(format!("adapter `{m}` is merged; unmerge it before training")));
         }
         let p = self.active_adapter().and_then(|a| self.adapter(a)).map(|a| a.config.lora_dropout).unwrap_or(0.0);
-        Ok(TrainCtx { full: self.base_is_trainable(), ..TrainCtx::new(p, seed)? })
+        Ok(TrainCtx { full: self.base_is_trainable(), ..TrainCtx::new(p, seed, self.kernels())? })
     }
 
     /// The training forward of `batch` as a chain of stages: the vision blocks, the merger with the
@@ -508,8 +575,8 @@ impl Qwen2Vl {
         // The LM head over (N, H) hidden rows.
         let head = move |h: &Tensor| -> Result<Tensor> {
             Ok(match full {
-                true => h.matmul(&self.lm_head.t()?)?,
-                false => ops::frozen_linear(h, &self.lm_head)?,
+                true => matmul_t(h, &self.lm_head)?,
+                false => ctx.frozen_linear(h, &self.lm_head)?,
             })
         };
         let mut region = region;
@@ -522,7 +589,7 @@ impl Qwen2Vl {
                     // (B, T, H) -> (B T, H) -> (K, H): the region rows, through the final norm and the head.
                     let h = y.reshape((b * t, ()))?.index_select(&rows, 0)?;
                     let logits = head(&self.text.final_norm(&h, Some(ctx))?)?;
-                    let side = (ops::cross_entropy_masked(&logits, &labels, &ones)? * region_weight)?;
+                    let side = (ctx.cross_entropy(&logits, &labels, &ones)? * region_weight)?;
                     Ok((y, side))
                 })),
                 None => stages.push(Stage::new(has_params, move |x: &Tensor| {
@@ -533,7 +600,7 @@ impl Qwen2Vl {
         stages.push(Stage::new(full, move |x: &Tensor| {
             // (B, T, H) -> (B, T - 1, H) -> (B (T - 1), V): the logits at t - 1 predict token t.
             let h = self.text.final_norm(x, Some(ctx))?.narrow(1, 0, t - 1)?.reshape((b * (t - 1), ()))?;
-            Ok(ops::cross_entropy_masked(&head(&h)?, &labels, &mask)?)
+            Ok(ctx.cross_entropy(&head(&h)?, &labels, &mask)?)
         }));
         Ok(Chain { x0, stages, supervised })
     }

@@ -8,11 +8,12 @@
 //! For windows, rows are first permuted window by window (so that each window is a contiguous segment
 //! of a block-diagonal attention) and permuted back after the merger (Qwen2.5-VL report, section 2.1.1).
 
-use askgui_kernels::{ops, AttentionMask};
+use askgui_kernels::AttentionMask;
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::Weights;
 use crate::config::{Arch, VisionConfig};
+use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::layers::{activation, Linear};
 use crate::train::TrainCtx;
@@ -31,14 +32,12 @@ impl Norm {
             Arch::Qwen2Vl => Norm::Layer(weight, w.get(&format!("{name}.bias"), &[dim])?),
         })
     }
-    fn forward(&self, x: &Tensor, train: Option<&TrainCtx>) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, train: Option<&TrainCtx>, kernels: KernelChoice) -> candle_core::Result<Tensor> {
         match (self, train) {
-            (Norm::Rms(w), None) => crate::layers::rms_norm(x, w, 1e-6),
-            (Norm::Layer(w, b), None) => crate::layers::layer_norm(x, w, b, 1e-6),
-            (Norm::Rms(w), Some(c)) if c.full() => ops::rms_norm(x, w, 1e-6),
-            (Norm::Layer(w, b), Some(c)) if c.full() => ops::layer_norm(x, w, b, 1e-6),
-            (Norm::Rms(w), Some(_)) => ops::rms_norm_frozen(x, w, 1e-6),
-            (Norm::Layer(w, b), Some(_)) => ops::layer_norm_frozen(x, w, b, 1e-6),
+            (Norm::Rms(w), None) => crate::layers::rms_norm(x, w, 1e-6, kernels),
+            (Norm::Layer(w, b), None) => crate::layers::layer_norm(x, w, b, 1e-6, kernels),
+            (Norm::Rms(w), Some(c)) => c.rms_norm(x, w, 1e-6),
+            (Norm::Layer(w, b), Some(c)) => c.layer_norm(x, w, b, 1e-6),
         }
     }
 
@@ -88,6 +87,8 @@ pub struct VisionTower {
     merger_fc2: Linear,
     /// `(head_dim / 4,)` rotary frequencies shared by the h and w axes.
     inv_freq: Tensor,
+    /// The ops of the inference path; the training path takes them from its [`TrainCtx`].
+    pub(crate) kernels: KernelChoice,
 }
 
 /// What every block of one forward shares: the embedded patches and rotary tables, window-permuted
@@ -152,6 +153,7 @@ impl VisionTower {
             merger_fc1: Linear::load(w, "visual.merger.mlp.0", merged, merged, true)?,
             merger_fc2: Linear::load(w, "visual.merger.mlp.2", merged, cfg.out_hidden_size, true)?,
             inv_freq: Tensor::new(inv.as_slice(), &Device::Cpu)?,
+            kernels: KernelChoice::default(),
         })
     }
 
@@ -309,7 +311,7 @@ impl VisionTower {
     /// The patch embedding `(P, patch_dim) -> (P, hidden)`, rows in window order for Qwen2.5-VL (as
     /// [`Self::prepare`] leaves them). Differentiable in the patch embedding (full training).
     pub(crate) fn embed_patches(&self, pixel_values: &Tensor, layout: &Layout) -> Result<Tensor> {
-        let x = pixel_values.to_dtype(self.patch_embed.dtype())?.matmul(&self.patch_embed.t()?)?;
+        let x = crate::layers::matmul_t(&pixel_values.to_dtype(self.patch_embed.dtype())?, &self.patch_embed)?;
         if self.cfg.window_size.is_none() {
             return Ok(x);
         }
@@ -327,8 +329,8 @@ impl VisionTower {
         } else {
             &prep.layout.cu_full
         };
-        let x = (x + self.attention(b, &b.norm1.forward(x, train)?, &prep.cos, &prep.sin, cu, train)?)?;
-        let h = b.norm2.forward(&x, train)?;
+        let x = (x + self.attention(b, &b.norm1.forward(x, train, self.kernels)?, &prep.cos, &prep.sin, cu, train)?)?;
+        let h = b.norm2.forward(&x, train, self.kernels)?;
         let act = self.cfg.hidden_act;
         let mlp = match &b.mlp {
             Mlp::Glu { gate, up, down } => down.forward_with(
@@ -345,7 +347,7 @@ impl VisionTower {
         let unit = self.cfg.spatial_merge_size.pow(2);
         let p = x.dim(0)?;
         // (P, hidden) -> (P / unit, unit * hidden) -> (P / unit, out)
-        let merged = self.ln_q.forward(x, train)?.reshape((p / unit, unit * self.cfg.hidden_size))?;
+        let merged = self.ln_q.forward(x, train, self.kernels)?.reshape((p / unit, unit * self.cfg.hidden_size))?;
         let mut out =
             self.merger_fc2.forward_with(&self.merger_fc1.forward_with(&merged, train)?.gelu_erf()?, train)?;
         if self.cfg.window_size.is_some() {
@@ -379,8 +381,8 @@ impl VisionTower {
                 let f = DType::F32;
                 let (t, c, s) = (t.to_dtype(f)?, cos.to_dtype(f)?, sin.to_dtype(f)?);
                 match train {
-                    None => crate::layers::rope(&t, &c, &s)?,
-                    Some(_) => ops::rope(&t, &c, &s)?,
+                    None => crate::layers::rope(&t, &c, &s, self.kernels)?,
+                    Some(ctx) => ctx.rope(&t, &c, &s)?,
                 }
                 .to_dtype(x.dtype())?
             } else {
@@ -391,8 +393,8 @@ impl VisionTower {
         let (q, k, v) = (part(0)?, part(1)?, part(2)?);
         let (mask, scale) = (AttentionMask::BlockDiagonal(cu), (hd as f64).powf(-0.5));
         let o = match train {
-            None => crate::layers::attention(&q, &k, &v, mask, None, scale)?,
-            Some(_) => ops::attention(&q, &k, &v, mask, None, scale)?,
+            None => crate::layers::attention(&q, &k, &v, mask, None, scale, self.kernels)?,
+            Some(ctx) => ctx.attention((&q, &k, &v), mask, None, scale)?,
         };
         // (1, H, P, hd) -> (P, H * hd)
         let o = o.squeeze(0)?.transpose(0, 1)?.reshape((p, hidden))?;
