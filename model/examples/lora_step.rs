@@ -225,7 +225,7 @@ fn main() -> Result<()> {
                 let labels = Tensor::from_slice(&e.ids[1..], t - 1, &device)?;
                 let mask: Vec<f32> = e.labels_mask[1..].iter().map(|&m| m as u8 as f32).collect();
                 let loss = cross_entropy_masked_reference(&logits, &labels, &Tensor::from_vec(mask, t - 1, &device)?)?;
-                (loss.to_scalar::<f32>()? as f64, loss.backward()?)
+                (loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, loss.backward()?)
             }
         };
         let kept: u64 = grads.get_ids().filter_map(|id| grads.get_id(*id)).map(bytes).sum();

@@ -220,11 +220,17 @@ impl LoraDelta {
     /// `x (..., in) -> scale * (x A^T) B^T (..., out)`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         // Trainable adapters of a bf16 model keep f32 masters (`train::master_dtype`): the product runs
-        // in the adapter's dtype and comes back in the activations' (both casts are differentiable).
-        let (dtype, master) = (x.dtype(), self.a.dtype());
+        // in the adapter's dtype and comes back in the activations' (both casts are differentiable). On
+        // the CPU, which has no bf16 matmul, a bf16 adapter (loaded for inference) runs in f32 too.
+        let dtype = x.dtype();
+        let master = match x.device().is_cpu() {
+            true => crate::train::master_dtype(self.a.dtype()),
+            false => self.a.dtype(),
+        };
         let x = if dtype == master { x.clone() } else { x.to_dtype(master)? };
+        let (a, b) = (self.a.to_dtype(master)?, self.b.to_dtype(master)?);
         // (..., in) -> (..., r) -> (..., out)
-        let y = (x.broadcast_matmul(&self.a.t()?)?.broadcast_matmul(&self.b.t()?)? * self.scale)?;
+        let y = (x.broadcast_matmul(&a.t()?)?.broadcast_matmul(&b.t()?)? * self.scale)?;
         if dtype == master {
             Ok(y)
         } else {
