@@ -116,7 +116,7 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, kernels: KernelChoice
 }
 
 /// Attention for the inference forward: the kernels' blocked-GEMM CustomOp (no `T x T` score matrix)
-/// where it has a kernel (CPU, f32 / f64), else the plain-candle reference. The two agree to 1e-6
+/// where it has a kernel (`has_kernel`), else the plain-candle reference. The two agree to 1e-6
 /// (`kernels/tests/grad_attention.rs`) except on query rows that see no key at all (left-padding
 /// positions of a batch), which the op sets to 0 and the reference to an average: no real token reads
 /// those rows.
