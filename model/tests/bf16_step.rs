@@ -10,7 +10,7 @@
 //! that adapter's conditioning, not the bf16 path.
 //!
 //! Tolerances. Each bf16 rounding (weights once, then every activation an op writes) moves a value by up to
-//! 2^-8 of itself, 2^-9 on average, with independent signs. The tiny model has 4 vision blocks, the
+//! 2^-8 of itself, about half that on average, with independent signs. The tiny model has 4 vision blocks, the
 //! merger and 2 decoder layers, each with ~13 rounded activations on the way forward and as many
 //! gradients on the way back: ~150 roundings between the input and an adapter gradient. Added at random
 //! they give ~sqrt(150) * 2^-9 = 2.4% of a tensor's scale; added in one direction, 150 * 2^-9 = 29%. So:

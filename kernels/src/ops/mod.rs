@@ -71,7 +71,7 @@ pub(crate) enum Float {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum F32Out {
     F32,
-    /// Rounded once, to nearest even (`bf16::from_f32`): 2^-9 relative error at most.
+    /// Rounded once, to nearest even (`bf16::from_f32`): at most 2^-8 relative error (8 significant bits).
     Bf16,
 }
 
