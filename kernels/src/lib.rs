@@ -21,6 +21,7 @@ pub mod norm;
 pub mod ops;
 pub mod plan;
 pub mod rope;
+pub mod selfcheck;
 pub mod tiling;
 
 pub use attention::{attention_reference, AttentionMask};
