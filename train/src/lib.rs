@@ -2,8 +2,9 @@
 //!
 //! [`config`] (clap + serde options, TOML files, presets), [`data`] (episodes -> token ids with a loss
 //! mask, the data order), [`optim`] (AdamW, the warmup + cosine schedule, clipping), [`checkpoint`]
-//! (atomic PEFT-format checkpoints with the optimiser and trainer state), [`merge`] (an adapter folded
-//! into a plain Hugging Face checkpoint), [`plot`] (curves.svg), [`bpe`] (a small tokenizer learned from a corpus), [`init`] (random models),
+//! (atomic PEFT-format checkpoints with the optimiser and trainer state), [`check_gpu`] (every kernel
+//! against its reference on a device), [`merge`] (an adapter folded into a plain Hugging Face
+//! checkpoint), [`plot`] (curves.svg), [`bpe`] (a small tokenizer learned from a corpus), [`init`] (random models),
 //! [`agent_eval`] (the agent metrics and sample prediction of the periodic eval, through askgui-eval) and
 //! [`trainer`] (the loop). The model's training path (LoRA `Var`s, loss and gradients) is askgui-model's;
 //! prompts are askgui-data's, the same code that serve and eval use, so a model is trained on exactly the
@@ -12,6 +13,7 @@
 pub mod agent_eval;
 pub mod alloc;
 pub mod bpe;
+pub mod check_gpu;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

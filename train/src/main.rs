@@ -7,6 +7,8 @@
 //! `askgui-train merge --model DIR --adapter CHECKPOINT --out DIR` folds an adapter into its base
 //! ([`askgui_train::merge`]).
 //! `askgui-train demo [--out DIR]` runs the from-scratch demo ([`askgui_train::demo`]).
+//! `askgui-train check-gpu [--device cuda]` checks every kernel against its reference on the device and
+//! exits non-zero if one disagrees ([`askgui_train::check_gpu`]).
 
 use anyhow::Result;
 use clap::Parser;
@@ -34,6 +36,17 @@ fn main() -> Result<()> {
         match askgui_train::merge::run_cli(argv.into_iter().skip(1)) {
             Err(askgui_train::TrainError::Cli(e)) => e.exit(),
             r => return r.map(|_| ()).map_err(Into::into),
+        }
+    }
+    if argv.get(1).is_some_and(|a| a == "check-gpu") {
+        match askgui_train::check_gpu::run_cli(argv.into_iter().skip(1)) {
+            Err(askgui_train::TrainError::Cli(e)) => e.exit(),
+            Ok(true) => return Ok(()),
+            Ok(false) => anyhow::bail!(
+                "check-gpu: a kernel disagrees with its reference (the FAIL rows above); train and serve with \
+                 `--kernels reference` until it is fixed"
+            ),
+            Err(e) => return Err(e.into()),
         }
     }
     if argv.get(1).is_some_and(|a| a == "demo") {
