@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use askgui_data::prompt::SystemPrompt;
-use askgui_model::DeviceKind;
+use askgui_model::{DTypeChoice, DeviceKind, KernelChoice};
 use clap::{Args, Parser, Subcommand};
 use serde::{Serialize, Serializer};
 
@@ -119,6 +119,12 @@ pub struct Config {
     /// `--features cuda` and one is present (bf16 weights), else the CPU (f32).
     #[arg(long, env = "ASKGUI_SERVE_DEVICE", value_enum, default_value_t = DeviceKind::Auto)]
     pub device: DeviceKind,
+    /// Weight dtype: `auto` is bf16 on a GPU and f32 on the CPU.
+    #[arg(long, env = "ASKGUI_SERVE_DTYPE", value_enum, default_value_t = DTypeChoice::Auto)]
+    pub dtype: DTypeChoice,
+    /// `reference` runs plain-candle ops instead of askgui's kernels (slower; for a GPU they fail on).
+    #[arg(long, env = "ASKGUI_SERVE_KERNELS", value_enum, default_value_t = KernelChoice::Askgui)]
+    pub kernels: KernelChoice,
     #[arg(long, env = "ASKGUI_SERVE_STUB", hide = true)]
     pub stub: bool,
 }

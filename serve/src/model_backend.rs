@@ -41,8 +41,8 @@ use askgui_data::prompt::{render_chatml, step_messages, PromptConfig, StepContex
 use askgui_model::model::positions_tensor;
 use askgui_model::text::KvCache;
 use askgui_model::{
-    mrope_positions, preprocess, render_chat, Content, DeviceKind, ImageProcessorConfig, Message, ModelConfig,
-    ModelError, ProcessedImage, Qwen2Vl, QwenTokenizer,
+    mrope_positions, preprocess, render_chat, Content, DTypeChoice, DeviceKind, ImageProcessorConfig, KernelChoice,
+    Message, ModelConfig, ModelError, ProcessedImage, Qwen2Vl, QwenTokenizer,
 };
 use candle_core::{DType, Tensor};
 use rand::rngs::StdRng;
@@ -67,8 +67,12 @@ pub struct ModelBackendConfig {
     pub prefix_cache_bytes: usize,
     /// The system prompt the model was trained with.
     pub system_prompt: SystemPrompt,
-    /// Where the model runs (and so its weights' dtype).
+    /// Where the model runs (and so its weights' default dtype).
     pub device: DeviceKind,
+    /// The weights' dtype (`auto`: the device's default).
+    pub dtype: DTypeChoice,
+    /// askgui's kernels or the plain-candle references.
+    pub kernels: KernelChoice,
 }
 
 impl From<&Config> for ModelBackendConfig {
@@ -79,6 +83,8 @@ impl From<&Config> for ModelBackendConfig {
             prefix_cache_bytes: cfg.prefix_cache_mb << 20,
             system_prompt: cfg.system_prompt,
             device: cfg.device,
+            dtype: cfg.dtype,
+            kernels: cfg.kernels,
         }
     }
 }
@@ -176,12 +182,13 @@ fn candle_err(e: candle_core::Error) -> BackendError {
 }
 
 impl ModelBackend {
-    /// Loads the checkpoint on the configured device (f32 on the CPU, bf16 on a GPU) and every adapter.
+    /// Loads the checkpoint on the configured device and dtype (by default f32 on the CPU, bf16 on a GPU)
+    /// with the configured kernels, and every adapter.
     pub fn load(cfg: &ModelBackendConfig) -> anyhow::Result<Self> {
-        let (device, dtype) = cfg.device.pick()?;
+        let (device, dtype) = cfg.device.pick_with(cfg.dtype)?;
         tracing::info!("serving on {device:?} with {dtype:?} weights");
-        let mut model =
-            Qwen2Vl::load(&cfg.model, &device, dtype).with_context(|| format!("loading the model {}", cfg.model))?;
+        let mut model = Qwen2Vl::load_with(&cfg.model, &device, dtype, cfg.kernels)
+            .with_context(|| format!("loading the model {}", cfg.model))?;
         for (name, dir) in &cfg.adapters {
             model
                 .load_adapter(name, dir)

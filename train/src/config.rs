@@ -82,10 +82,18 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
     #[serde(default)]
     pub device: DeviceKind,
+    /// Weight dtype: `auto` is bf16 on a GPU and f32 on the CPU (--mode full always trains f32).
+    #[arg(long, value_enum, default_value_t = DTypeChoice::Auto)]
+    #[serde(default)]
+    pub dtype: DTypeChoice,
+    /// `reference` runs plain-candle ops instead of askgui's kernels (slower; for a GPU they fail on).
+    #[arg(long, value_enum, default_value_t = KernelChoice::Askgui)]
+    #[serde(default)]
+    pub kernels: KernelChoice,
 }
 
-/// The device option of [`ModelArgs`] (shared with the server and the evaluator).
-pub use askgui_model::DeviceKind;
+/// The device, dtype and kernel options of [`ModelArgs`] (shared with the server and the evaluator).
+pub use askgui_model::{DTypeChoice, DeviceKind, KernelChoice};
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
 #[serde(deny_unknown_fields)]
@@ -428,6 +436,9 @@ impl TrainConfig {
             (Some(_), Some(_)) => return bad("--model and --init-config exclude each other".into()),
             _ => {}
         }
+        if self.model.mode == Mode::Full && self.model.dtype == DTypeChoice::Bf16 {
+            return bad("--mode full trains f32 weights (they are the trained parameters); drop --dtype bf16".into());
+        }
         if self.model.init_tokenizer.is_some() && self.model.init_config.is_none() {
             return bad("--init-tokenizer goes with --init-config (a model from scratch)".into());
         }
@@ -536,6 +547,18 @@ mod tests {
         assert!(e.contains("--region-weight"), "{e}");
         let e = parse(&["--model", "m", "--data", "d", "--region-layer", "0"]).unwrap_err().to_string();
         assert!(e.contains("--region-layer"), "{e}");
+    }
+
+    #[test]
+    fn dtype_and_kernels_flags_reach_the_saved_config() {
+        let c = parse(&["--model", "m", "--data", "d", "--dtype", "bf16", "--kernels", "reference"]).unwrap();
+        assert_eq!((c.model.dtype, c.model.kernels), (DTypeChoice::Bf16, KernelChoice::Reference));
+        let toml = c.to_toml();
+        assert!(toml.contains("dtype = \"bf16\"") && toml.contains("kernels = \"reference\""), "{toml}");
+        let d = parse(&["--model", "m", "--data", "d"]).unwrap();
+        assert_eq!((d.model.dtype, d.model.kernels), (DTypeChoice::Auto, KernelChoice::Askgui));
+        let e = parse(&["--model", "m", "--data", "d", "--mode", "full", "--dtype", "bf16"]).unwrap_err().to_string();
+        assert!(e.contains("--dtype bf16"), "{e}");
     }
 
     #[test]

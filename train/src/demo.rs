@@ -62,7 +62,7 @@ use askgui_eval::matching::MatchConfig;
 use askgui_eval::metrics::{ModeMetrics, NoContentScorer};
 use askgui_eval::modes::Mode as EvalMode;
 use askgui_eval::runner::{load, run_eval, EvalConfig, RunOptions};
-use askgui_model::DeviceKind;
+use askgui_model::{DeviceKind, LoadOptions};
 use serde::Serialize;
 
 use crate::config::{Mode, RunControl, TrainConfig};
@@ -371,7 +371,8 @@ fn evaluate(
 ) -> Result<Vec<Scores>> {
     let prompt = prompt_config(a);
     // The CPU, as the demo's training (a model this small gains nothing from a GPU's bf16).
-    let agent = InProcessAgent::load(&model.to_string_lossy(), adapter, prompt, a.max_new_tokens, DeviceKind::Cpu)
+    let on_cpu = LoadOptions { device: DeviceKind::Cpu, ..Default::default() };
+    let agent = InProcessAgent::load(&model.to_string_lossy(), adapter, prompt, a.max_new_tokens, on_cpu)
         .map_err(|e| TrainError::Data(format!("eval agent: {e}")))?;
     let agent = MemoAgent::new(agent);
     let cfg = EvalConfig {

@@ -25,7 +25,7 @@ use serde::Serialize;
 
 use crate::agent_eval::{self, AgentMetrics, SamplePrediction};
 use crate::checkpoint::{self, TrainerState};
-use crate::config::{DeviceKind, Mode, RunControl, TrainConfig};
+use crate::config::{Mode, ModelArgs, RunControl, TrainConfig};
 use crate::data::{self, DataOptions, DataStats, Dataset};
 use crate::error::{io, Result, TrainError};
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
@@ -127,25 +127,25 @@ fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device)
     Ok(sum / tokens.max(1) as f64)
 }
 
-/// The device and weight dtype of `--device`, chosen once and logged: the CPU trains in f32; a CUDA
-/// GPU in bf16 (trainable adapters keep f32 masters, `askgui_model::master_dtype`). Full training
-/// on a GPU stays f32: its base weights are the trained parameters.
-fn pick_device(kind: DeviceKind) -> Result<(Device, DType)> {
-    let (device, dtype) = kind.pick()?;
+/// The device and weight dtype of `--device` and `--dtype`, chosen once and logged: by default the CPU
+/// trains in f32, a CUDA GPU in bf16 (trainable adapters keep f32 masters, `askgui_model::master_dtype`).
+/// Full training stays f32: its base weights are the trained parameters.
+fn pick_device(m: &ModelArgs) -> Result<(Device, DType)> {
+    let (device, dtype) = m.device.pick_with(m.dtype)?;
+    let dtype = if m.mode == Mode::Full { DType::F32 } else { dtype };
     tracing::info!("training on {device:?} with {dtype:?} weights");
     Ok((device, dtype))
 }
 
-/// The model on `device` in `dtype` (f32 for full training), with the image processor's pixel bounds
-/// from `cfg` where it sets them.
+/// The model on `device` in `dtype` ([`pick_device`]'s) with `--kernels`, and the image processor's pixel
+/// bounds from `cfg` where it sets them.
 fn load_model(cfg: &TrainConfig, device: &Device, dtype: DType) -> Result<Qwen2Vl> {
-    let dtype = if cfg.model.mode == Mode::Full { DType::F32 } else { dtype };
     let path = match (&cfg.model.model, &cfg.model.init_config) {
         (Some(m), _) => m.clone(),
         (None, Some(c)) => crate::init::init_model_dir(cfg, c)?,
         (None, None) => unreachable!("validated"),
     };
-    let mut model = Qwen2Vl::load(&path, device, dtype)?;
+    let mut model = Qwen2Vl::load_with(&path, device, dtype, cfg.model.kernels)?;
     let ic = &mut model.image_config;
     if cfg.data.min_pixels > 0 {
         ic.min_pixels = cfg.data.min_pixels;
@@ -243,7 +243,7 @@ pub fn planned_batches(cfg: &TrainConfig, steps: usize) -> Result<Vec<Vec<data::
 pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     cfg.validate()?;
     tracing::info!("resolved config:\n{}", cfg.to_toml());
-    let (device, dtype) = pick_device(cfg.model.device)?;
+    let (device, dtype) = pick_device(&cfg.model)?;
     let mut model = load_model(cfg, &device, dtype)?;
     let tokenizer = model.tokenizer()?;
 

@@ -1,4 +1,5 @@
-//! The in-process backend: a Qwen2.5-VL / Qwen2-VL checkpoint run by askgui-model (f32, CPU), greedy.
+//! The in-process backend: a Qwen2.5-VL / Qwen2-VL checkpoint run by askgui-model (`--device`, `--dtype`,
+//! `--kernels`), greedy.
 //!
 //! The prompt is the training prompt rendered in ChatML; each screenshot goes through the checkpoint's own
 //! image processor (`preprocessor_config.json`), and for the `resized` frame the model frame is the size
@@ -12,7 +13,7 @@ use std::sync::Mutex;
 
 use askgui_data::{render_chatml, FrameKind, FrameMap, PromptConfig};
 use askgui_model::{
-    generate, load_image, preprocess, DeviceKind, ModelError, ProcessedImage, Prompt, Qwen2Vl, QwenTokenizer,
+    generate, load_image, preprocess, LoadOptions, ModelError, ProcessedImage, Prompt, Qwen2Vl, QwenTokenizer,
     SamplingParams,
 };
 
@@ -45,19 +46,19 @@ fn model_err(e: ModelError) -> AgentError {
 }
 
 impl InProcessAgent {
-    /// Loads a checkpoint directory or hub id on `device` (f32 on the CPU, bf16 on a GPU), with a PEFT
-    /// LoRA adapter merged into its weights when given (on bf16 weights the merged weight is rounded
-    /// once, as PEFT's `merge_and_unload` does).
+    /// Loads a checkpoint directory or hub id on `load`'s device and dtype (by default f32 on the CPU,
+    /// bf16 on a GPU) with its kernels, and a PEFT LoRA adapter merged into its weights when given (on
+    /// bf16 weights the merged weight is rounded once, as PEFT's `merge_and_unload` does).
     pub fn load(
         model: &str,
         adapter: Option<&Path>,
         prompt: PromptConfig,
         max_new_tokens: usize,
-        device: DeviceKind,
+        load: LoadOptions,
     ) -> Result<Self, AgentError> {
-        let (device, dtype) = device.pick().map_err(model_err)?;
+        let (device, dtype) = load.resolve().map_err(model_err)?;
         tracing::info!("evaluating on {device:?} with {dtype:?} weights");
-        let mut m = Qwen2Vl::load(model, &device, dtype).map_err(model_err)?;
+        let mut m = Qwen2Vl::load_with(model, &device, dtype, load.kernels).map_err(model_err)?;
         if let Some(dir) = adapter {
             // This agent only ever runs this adapter, so it is folded into the weights and each forward
             // costs the base model's (measured on a 2-core CPU, the demo's LoRA agent on 40 episodes in

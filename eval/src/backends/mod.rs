@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use askgui_data::prompt::StepContext;
 use askgui_data::{parse_answer, Action, ChatMessage, FrameMap, PromptConfig};
-use askgui_model::DeviceKind;
+use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, LoadOptions};
 
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
 
@@ -67,6 +67,12 @@ pub struct BackendArgs {
     /// cuda` and one is present (bf16 weights), else the CPU (f32).
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
     pub device: DeviceKind,
+    /// Weight dtype of `--model`: `auto` is bf16 on a GPU and f32 on the CPU.
+    #[arg(long, value_enum, default_value_t = DTypeChoice::Auto)]
+    pub dtype: DTypeChoice,
+    /// `reference` runs `--model` on plain-candle ops instead of askgui's kernels (slower; for a GPU they fail on).
+    #[arg(long, value_enum, default_value_t = KernelChoice::Askgui)]
+    pub kernels: KernelChoice,
     #[command(flatten)]
     pub prompt: PromptConfig,
 }
@@ -110,7 +116,8 @@ pub fn from_args(a: &BackendArgs) -> anyhow::Result<Box<dyn Agent>> {
             if a.openai_model.is_some() {
                 bail!("--openai-model is for --openai-base; --model runs the checkpoint in-process");
             }
-            let agent = InProcessAgent::load(model, a.adapter.as_deref(), a.prompt.clone(), a.max_new_tokens, a.device)
+            let load = LoadOptions { device: a.device, dtype: a.dtype, kernels: a.kernels };
+            let agent = InProcessAgent::load(model, a.adapter.as_deref(), a.prompt.clone(), a.max_new_tokens, load)
                 .with_context(|| format!("loading --model {model}"))?;
             Ok(Box::new(agent))
         }
