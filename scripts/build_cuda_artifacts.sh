@@ -10,14 +10,17 @@
 # libcuda.so.1 and the toolkit's libraries are loaded instead. The stub is never bundled.
 #
 # Usage (from anywhere):
-#   scripts/build_cuda_artifacts.sh [--example NAME]... [--xz] [CARGO_TEST_ARGS...]
+#   scripts/build_cuda_artifacts.sh [--example NAME]... [--xz] [--no-check-gpu] [CARGO_TEST_ARGS...]
 #     CARGO_TEST_ARGS  which tests, as for `cargo test` (default `-p askgui-kernels`: all its tests), e.g.
 #                      `-p askgui-kernels --test cuda_ops`, or `-p askgui-kernels -p askgui-model`
 #     --example NAME   also build this example (benchmarks are examples), e.g. `--example generate`
 #     --xz             also pack target/gpu-bundle.tar.xz
+#     --no-check-gpu   leave out bin/askgui-train (run.sh then skips `check-gpu`; a smaller bundle)
 # Settings: CUDA_COMPUTE_CAP (default 90: H100/H200); CARGO_TARGET_DIR (default target/cuda-build).
 #
-# On the GPU machine (copy target/gpu-bundle/ or the .tar.xz there):
+# On the GPU machine (copy target/gpu-bundle/ or the .tar.xz there), run.sh first runs
+# `bin/askgui-train check-gpu --device cuda` (every kernel against its reference; a failure is reported
+# and the tests still run), then the tests:
 #   tar xf gpu-bundle.tar.xz && gpu-bundle/run.sh            # every test executable
 #   gpu-bundle/run.sh cuda_ops -- --nocapture                 # one, with libtest arguments
 #   gpu-bundle/run.sh --example generate ARGS...              # an example
@@ -30,11 +33,13 @@ root=$PWD
 
 examples=()
 xz=0
+check_gpu=1
 sel=()
 while [ $# -gt 0 ]; do
   case $1 in
     --example) examples+=(--example "$2"); shift 2 ;;
     --xz) xz=1; shift ;;
+    --no-check-gpu) check_gpu=0; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) sel+=("$1"); shift ;;
   esac
@@ -137,8 +142,8 @@ for l in open(sys.argv[1]):
   return 1
 }
 
-# Prints NAME PACKAGE EXECUTABLE, tab-separated, for each test (`tests`) or example (`examples`)
-# executable cargo reported in $json (`cargo test` also builds binaries and examples: not tests).
+# Prints NAME PACKAGE EXECUTABLE, tab-separated, for each test (`tests`), example (`examples`) or binary
+# (`bins`) executable cargo reported in $json (`cargo test` also builds binaries and examples: not tests).
 executables() {
   python3 - "$json" "$1" <<'PY'
 import json, sys
@@ -148,7 +153,8 @@ for line in open(sys.argv[1]):
     m = json.loads(line)
     if m.get("reason") != "compiler-artifact" or not m.get("executable"):
         continue
-    wanted = m["profile"]["test"] if sys.argv[2] == "tests" else "example" in m["target"]["kind"]
+    kind = {"tests": None, "examples": "example", "bins": "bin"}[sys.argv[2]]
+    wanted = m["profile"]["test"] if kind is None else kind in m["target"]["kind"] and not m["profile"]["test"]
     if wanted:
         pkg = m["package_id"].rsplit("#", 1)[-1].split("@")[0]
         print("\t".join([m["target"]["name"], pkg, m["executable"]]))
@@ -181,10 +187,19 @@ if [ ${#examples[@]} -gt 0 ]; then
   executables examples >"$list"
   add examples
 fi
+if [ $check_gpu = 1 ]; then
+  # The first command on a new GPU (`askgui-train check-gpu`): run.sh runs it before the tests.
+  mkdir -p "$bundle/bin"
+  build build -p askgui-train --bin askgui-train
+  executables bins >"$list"
+  add bin
+fi
 
 cat >"$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs this bundle's CUDA test executables on a GPU machine (CUDA 13.0 driver and toolkit, no Rust):
+# Runs this bundle's CUDA test executables on a GPU machine (CUDA 13.0 driver and toolkit, no Rust), after
+# `bin/askgui-train check-gpu --device cuda` (every kernel against its reference; skipped when the bundle
+# has no bin/, or with SKIP_CHECK_GPU=1; its failure is reported and the tests still run):
 #   ./run.sh                        every test executable in tests/, each with the same libtest arguments
 #   ./run.sh NAME... [-- ARGS]      the named ones (ARGS go to libtest: --nocapture, a test filter, ...)
 #   ./run.sh --example NAME ARGS    an example in examples/
@@ -211,6 +226,10 @@ if [ -n "$missing" ]; then
   exit 1
 fi
 failed=()
+if [ -x "$here/bin/askgui-train" ] && [ "${SKIP_CHECK_GPU:-0}" != 1 ]; then
+  echo "=== askgui-train check-gpu --device cuda"
+  "$here/bin/askgui-train" check-gpu --device cuda || failed+=(check-gpu)
+fi
 for name in "${names[@]}"; do
   echo "=== $name"
   "$here/tests/$name" "$@" || failed+=("$name")
@@ -228,7 +247,8 @@ chmod +x "$bundle/run.sh"
   echo "built $(date -u +%Y-%m-%dT%H:%MZ), CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP, $(nvcc --version | grep -o 'release [0-9.]*')"
   echo "tests: cargo test --release --features cuda ${sel[*]}"
   [ ${#examples[@]} -eq 0 ] || echo "examples: ${examples[*]}"
-  echo "needs: $(for f in "$bundle"/tests/* "$bundle"/examples/*; do [ -f "$f" ] && readelf -d "$f"; done |
+  [ $check_gpu = 0 ] || echo "bin: askgui-train (check-gpu), cargo build --release --features cuda -p askgui-train"
+  echo "needs: $(for f in "$bundle"/tests/* "$bundle"/examples/* "$bundle"/bin/*; do [ -f "$f" ] && readelf -d "$f"; done |
     grep -o 'Shared library: \[[^]]*' | cut -d[ -f2 | sort -u | tr '\n' ' ')"
 } >"$bundle/BUILD_INFO"
 

@@ -11,6 +11,10 @@
 # to $CKPT (default target/gpu-bench/qwen3b-random: 8 GB, kept on the GPU machine only while it stays
 # warm); `generate` loads it when it is there. PYTHON picks the interpreter (default python3), DEVICE the
 # --device (default cuda; `DEVICE=cpu scripts/gpu/run_all.sh /tmp/out smoke` is the CPU check).
+# First of all, when an askgui-train binary is at hand ($ASKGUI_TRAIN, else the CUDA bundle's
+# target/gpu-bundle/bin/askgui-train from scripts/build_cuda_artifacts.sh, else target/release/askgui-train),
+# `askgui-train check-gpu` checks askgui's kernels against their references: OUT/check-gpu.txt; a failure
+# counts as a failed script.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: scripts/gpu/run_all.sh OUT [smoke] [attention] [tiling] [lora] [lora-nockpt] [generate]}
@@ -36,6 +40,21 @@ run() { # run NAME TIMEOUT_S SCRIPT ARGS...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/nvidia-smi.csv" 2>&1 || true
 "$py" -c "import torch, transformers, peft; print(torch.__version__, torch.version.cuda, transformers.__version__, peft.__version__)" \
   >"$out/versions.txt" 2>&1 || true
+
+train_bin=${ASKGUI_TRAIN:-}
+for b in target/gpu-bundle/bin/askgui-train target/release/askgui-train; do
+  [ -n "$train_bin" ] || { [ -x "$b" ] && train_bin=$b; }
+done
+if [ -n "$train_bin" ]; then
+  echo "== check-gpu: $train_bin check-gpu --device $dev" >&2
+  LD_LIBRARY_PATH="${CUDA_LIB_DIR:-/usr/local/cuda/lib64}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 300 \
+    "$train_bin" check-gpu --device "$dev" >"$out/check-gpu.txt" 2>"$out/check-gpu.log"
+  rc=$?
+  echo "== check-gpu: rc $rc; $(tail -1 "$out/check-gpu.txt")" >&2
+  [ "$rc" = 0 ] || { failed=$((failed + 1)); grep FAIL "$out/check-gpu.txt" | head -5 >&2; tail -3 "$out/check-gpu.log" >&2; }
+else
+  echo "== check-gpu: skipped (no askgui-train binary: set ASKGUI_TRAIN or build target/gpu-bundle)" >&2
+fi
 
 for b in $benches; do
   case $b in
