@@ -18,16 +18,31 @@ struct Mutant {
     edits: &'static [(&'static str, &'static str)],
 }
 
-/// Only the f32 head-dim-64 instantiations of the attention kernels are kept in the mutants (compile time).
+/// The attention mutants keep only the head-dim-64 instantiations (compile time); `ATTN_F32_64` also drops
+/// bf16.
+const ATTN_F32_64: [(&str, &str); 5] = [
+    ("  ASKGUI_ATTENTION(NAME, T, 32)                                                                      \\\n", ""),
+    ("  ASKGUI_ATTENTION(NAME, T, 80)                                                                      \\\n", ""),
+    ("  ASKGUI_ATTENTION(NAME, T, 96)                                                                      \\\n", ""),
+    ("  ASKGUI_ATTENTION(NAME, T, 128)                                                                     \\\n", ""),
+    ("ASKGUI_ATTENTION_DTYPE(bf16, __nv_bfloat16)\n", ""),
+];
+
 const MUTANTS: &[Mutant] = &[
+    // The backward's dV loop reads P^T from shared memory that the next step overwrites with dS^T.
     Mutant {
-        module: "norm_missing_barrier",
-        source: "norm.cu",
-        edits: &[(
-            "  // The db half of `acc` is zeroed by other threads than the ones that own its columns.\n  __syncthreads();\n",
-            "  // mutant: the barrier after zeroing the partial sums is gone\n\n",
-        )],
+        module: "attention_missing_barrier",
+        source: "attention.cu",
+        edits: &[
+            ("    __syncthreads();\n\n    // dS = scale * P * (dP - D_i)", "    // mutant: no barrier\n\n    // dS = scale * P * (dP - D_i)"),
+            ATTN_F32_64[0],
+            ATTN_F32_64[1],
+            ATTN_F32_64[2],
+            ATTN_F32_64[3],
+            ATTN_F32_64[4],
+        ],
     },
+    // The forward's row-max shuffle leaves lane 31 out of its own mask.
     Mutant {
         module: "attention_shfl_mask",
         source: "attention.cu",
@@ -36,13 +51,14 @@ const MUTANTS: &[Mutant] = &[
                 "      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));",
                 "      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0x7fffffffu, mx, o));",
             ),
-            ("  ASKGUI_ATTENTION(NAME, T, 32)                                                                      \\\n", ""),
-            ("  ASKGUI_ATTENTION(NAME, T, 80)                                                                      \\\n", ""),
-            ("  ASKGUI_ATTENTION(NAME, T, 96)                                                                      \\\n", ""),
-            ("  ASKGUI_ATTENTION(NAME, T, 128)                                                                     \\\n", ""),
-            ("ASKGUI_ATTENTION_DTYPE(bf16, __nv_bfloat16)\n", ""),
+            ATTN_F32_64[0],
+            ATTN_F32_64[1],
+            ATTN_F32_64[2],
+            ATTN_F32_64[3],
+            ATTN_F32_64[4],
         ],
     },
+    // The tensor-core forward loads its Q fragments one bf16 past a 32-byte boundary.
     Mutant {
         module: "attention_tc_misaligned",
         source: "attention_tc.cu",
@@ -157,8 +173,13 @@ extern "C" const cuda_emu::KernelEntry* askgui_emu_find(const char* module, cons
         .file(&reg)
         .files(&wrappers);
     if sanitize {
-        b.opt_level(1).flag("-fsanitize=address,undefined").flag("-fno-omit-frame-pointer");
-        println!("cargo:rustc-link-arg-tests=-fsanitize=address,undefined");
+        b.opt_level(1).flag("-fsanitize=address,undefined").flag("-fno-sanitize-recover=undefined");
+        b.flag("-fno-omit-frame-pointer");
+        // rustc links with -nodefaultlibs, so the runtimes are named; they come after libstdc++ on the
+        // link line, so run the tests with ASAN_OPTIONS=verify_asan_link_order=0 (.ci/emu-check does).
+        for arg in ["-fsanitize=address,undefined", "-Wl,--no-as-needed", "-lasan", "-lubsan"] {
+            println!("cargo:rustc-link-arg-tests={arg}");
+        }
     } else {
         b.opt_level(2);
     }

@@ -33,17 +33,76 @@
 #define EMU_ASAN 0
 #endif
 
+// The context switch between the scheduler and a fiber. On x86-64 a few instructions that save the
+// callee-saved registers and the FP control words on the old stack and swap stack pointers: no system
+// call (glibc's swapcontext saves the signal mask with one) and nothing for AddressSanitizer to intercept
+// (its swapcontext interceptor clears the whole new stack's shadow at every switch, which made a
+// sanitized run 40x slower). Elsewhere, ucontext.
+#if defined(__x86_64__)
+#define EMU_ASM_SWITCH 1
+extern "C" void askgui_emu_switch(void** save_sp, void* new_sp);
+asm(R"(
+  .text
+  .globl askgui_emu_switch
+  .type askgui_emu_switch, @function
+askgui_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size askgui_emu_switch, .-askgui_emu_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+#else
+#define EMU_ASM_SWITCH 0
+#endif
+
 namespace cuda_emu {
 namespace {
 
 enum class Wait { Run, Sync, Warp, Exited };
+
+// A saved execution context: a stack pointer (x86-64) or a ucontext.
+struct Context {
+#if EMU_ASM_SWITCH
+  void* sp = nullptr;
+#else
+  ucontext_t uc;
+#endif
+};
+
+inline void switch_context(Context* from, Context* to) {
+#if EMU_ASM_SWITCH
+  askgui_emu_switch(&from->sp, to->sp);
+#else
+  swapcontext(&from->uc, &to->uc);
+#endif
+}
 
 constexpr size_t STACK_BYTES = 512 * 1024;
 constexpr size_t CANARY_BYTES = 256;
 constexpr unsigned char CANARY = 0xa5;
 
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   void* stack = nullptr;
   dim3 tid{0, 0, 0};
   int linear = 0;
@@ -78,11 +137,12 @@ struct Worker {
   dim3 bidx{0, 0, 0};
   std::vector<Fiber> fibers;
   Fiber* cur = nullptr;
-  ucontext_t sched;
+  Context sched;
   unsigned char* smem = nullptr;
   bool block_failed = false;
   const void* sched_bottom = nullptr;
   size_t sched_size = 0;
+  bool abandoned = false;  // a fiber was left mid-frame: its stack may still carry ASan poison
 
   ~Worker() {
     for (Fiber& f : fibers)
@@ -128,7 +188,7 @@ std::string describe_wait(const Fiber& f) {
 // Back to the scheduler; returns when the scheduler resumes this fiber.
 void yield(Worker* w, Fiber* f) {
   asan_start(&f->fake, w->sched_bottom, w->sched_size);
-  swapcontext(&f->ctx, &w->sched);
+  switch_context(&f->ctx, &w->sched);
   asan_finish(f->fake, &w->sched_bottom, &w->sched_size);
 }
 
@@ -139,14 +199,37 @@ void fiber_entry() {
   w->launch->kernel->invoke(w->launch->args);
   f->wait = Wait::Exited;
   asan_start(nullptr, w->sched_bottom, w->sched_size);  // this fiber is done for good
-  swapcontext(&f->ctx, &w->sched);
+  switch_context(&f->ctx, &w->sched);
+  abort();  // unreachable: an exited fiber is never resumed
+}
+
+// A fresh context that starts `fiber_entry` on the fiber's own stack.
+void init_context(Fiber* f) {
+#if EMU_ASM_SWITCH
+  // The frame askgui_emu_switch pops: control words, six registers, then the return address. After the
+  // `ret` the stack pointer is 8 mod 16, as at any function entry.
+  uintptr_t top = (reinterpret_cast<uintptr_t>(f->stack) + STACK_BYTES) & ~uintptr_t(15);
+  uint64_t* sp = reinterpret_cast<uint64_t*>(top - 72);
+  uint32_t csr[2];
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(csr[0]), "=m"(csr[1]));
+  memcpy(&sp[0], csr, 8);
+  for (int i = 1; i <= 6; ++i) sp[i] = 0;
+  sp[7] = reinterpret_cast<uint64_t>(&fiber_entry);
+  f->ctx.sp = sp;
+#else
+  getcontext(&f->ctx.uc);
+  f->ctx.uc.uc_stack.ss_sp = f->stack;
+  f->ctx.uc.uc_stack.ss_size = STACK_BYTES;
+  f->ctx.uc.uc_link = nullptr;
+  makecontext(&f->ctx.uc, fiber_entry, 0);
+#endif
 }
 
 void resume(Worker* w, Fiber* f) {
   w->cur = f;
   void* fake = nullptr;
   asan_start(&fake, f->stack, STACK_BYTES);
-  swapcontext(&w->sched, &f->ctx);
+  switch_context(&w->sched, &f->ctx);
   asan_finish(fake, nullptr, nullptr);
   w->cur = nullptr;
 }
@@ -283,15 +366,12 @@ void run_block(Worker* w, uint64_t linear_block) {
   memset(w->smem + L->shared, CANARY, guard);
   for (Fiber& f : w->fibers) {
 #if EMU_ASAN
-    ASAN_UNPOISON_MEMORY_REGION(f.stack, STACK_BYTES);
+    if (w->abandoned) ASAN_UNPOISON_MEMORY_REGION(f.stack, STACK_BYTES);
 #endif
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack;
-    f.ctx.uc_stack.ss_size = STACK_BYTES;
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, fiber_entry, 0);
+    init_context(&f);
     f.wait = Wait::Run;
   }
+  w->abandoned = false;
   const int n = int(w->fibers.size());
   std::vector<int> order(n);
   uint64_t rng = L->seed ^ (linear_block * 0x9e3779b97f4a7c15ull);
@@ -343,6 +423,10 @@ void worker_main(Launch* L) {
       tw = nullptr;
       return;
     }
+#if EMU_ASAN
+    // Fresh pages may sit where an exited thread's stack was, whose shadow can still hold its poison.
+    ASAN_UNPOISON_MEMORY_REGION(f.stack, STACK_BYTES);
+#endif
   }
   const uint64_t blocks = uint64_t(L->grid.x) * L->grid.y * L->grid.z;
   for (uint64_t b; !L->failed.load() && (b = L->next.fetch_add(1)) < blocks;) run_block(&w, b);
@@ -388,7 +472,8 @@ void fail(const char* fmt, ...) {
   block_error(w, where(w, f) + ": " + buf);
   f->wait = Wait::Exited;
   asan_start(nullptr, w->sched_bottom, w->sched_size);  // abandoned: never resumed
-  swapcontext(&f->ctx, &w->sched);
+  w->abandoned = true;
+  switch_context(&f->ctx, &w->sched);
   abort();  // unreachable: the scheduler never resumes a failed fiber
 }
 
@@ -481,3 +566,6 @@ extern "C" int askgui_emu_launch(const EmuLaunch* l, char* err, size_t err_len) 
   if (L.failed) return error(std::string(l->kernel) + ": " + L.error);
   return 0;
 }
+
+// Whether this build runs under AddressSanitizer (then an overrun aborts the process with its report).
+extern "C" int askgui_emu_sanitized() { return EMU_ASAN; }

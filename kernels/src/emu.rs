@@ -86,6 +86,14 @@ struct EmuLaunch {
 extern "C" {
     fn askgui_emu_find(module: *const c_char, kernel: *const c_char) -> *const KernelEntry;
     fn askgui_emu_launch(launch: *const EmuLaunch, err: *mut c_char, err_len: usize) -> i32;
+    fn askgui_emu_sanitized() -> i32;
+}
+
+/// Whether the kernels were built with AddressSanitizer and UBSan (`ASKGUI_EMU_SANITIZE=1`): then a
+/// memory error aborts the process with the sanitizer's report instead of returning an error.
+pub fn sanitized() -> bool {
+    // SAFETY: a constant-returning C function.
+    unsafe { askgui_emu_sanitized() != 0 }
 }
 
 const ARG_POINTER: u32 = 0;
@@ -182,7 +190,11 @@ pub fn run(plan: &Plan, inputs: &[&[u8]], opts: &Options) -> Result<Vec<Vec<u8>>
         bufs.push(match &b.init {
             Init::Input(i) if inputs[*i].len() == bytes => HostBuf::from_bytes(inputs[*i]),
             Init::Input(i) => {
-                return Err(err(format!("input {i} (`{}`) has {} bytes, the plan expects {bytes}", b.name, inputs[*i].len())))
+                return Err(err(format!(
+                    "input {i} (`{}`) has {} bytes, the plan expects {bytes}",
+                    b.name,
+                    inputs[*i].len()
+                )))
             }
             Init::Host(h) if h.len() == bytes => HostBuf::from_bytes(h),
             Init::Host(h) => return Err(err(format!("table `{}` has {} bytes, expected {bytes}", b.name, h.len()))),

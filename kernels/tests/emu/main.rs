@@ -17,6 +17,7 @@ mod common;
 mod attention;
 mod cross_entropy;
 mod norm;
+mod planted;
 mod rope;
 mod tiling;
 
