@@ -94,6 +94,12 @@ fn emu_build(sources: &[PathBuf], out: &Path) {
         std::fs::write(&copy, host_source(&text, &format!("{stem}.cu"))).expect("write the host copy");
         units.push((stem, copy, String::new()));
     }
+    // The executor's own tests: kernels that break the execution model on purpose.
+    println!("cargo:rerun-if-changed=emu/selftest");
+    let selftest = std::fs::read_to_string("emu/selftest/selftest.cu").expect("read emu/selftest/selftest.cu");
+    let copy = dir.join("selftest.cu");
+    std::fs::write(&copy, host_source(&selftest, "selftest.cu")).expect("write the selftest copy");
+    units.push(("selftest".to_string(), copy, String::new()));
     for m in MUTANTS {
         let mdir = dir.join("mutants").join(m.module);
         std::fs::create_dir_all(&mdir).expect("create a mutant dir");

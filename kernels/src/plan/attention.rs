@@ -324,3 +324,66 @@ pub fn backward(p: &Problem, elem: Elem, caps: &Caps, saved_lse: bool) -> Result
     plan.outputs.push(out);
     Ok(plan)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problem(d: usize) -> Problem {
+        Problem { b: 1, hq: 2, hkv: 1, tq: 100, tk: 100, d, mask: Mask::Causal, keep: None, scale: 0.1 }
+    }
+
+    /// `(kernel, shared bytes)` of each launch.
+    fn launches(p: &Plan) -> Vec<(String, u32)> {
+        p.launches.iter().map(|l| (l.kernel.clone(), l.shared_bytes)).collect()
+    }
+
+    /// The shared-memory sizes, derived by hand from the layouts in the .cu files.
+    #[test]
+    fn shared_bytes_match_the_layouts() {
+        // CUDA-core backward at D 128: 64x64 tiles (2*64*129*2 + 64*65) * 4 + (4*64 + 64) * 4.
+        assert_eq!(bwd_smem(128, 64, 64), (33_024 + 4_160) * 4 + 1_280);
+        assert_eq!(bwd_smem(128, 64, 64), 150_016);
+        // 32x32 tiles: (2*32*129*2 + 32*33) * 4 + (4*32 + 32) * 4.
+        assert_eq!(bwd_smem(128, 32, 32), (16_512 + 1_056) * 4 + 640);
+        // Tensor-core forward at D 128: Q, K, V 3*64*136*2, per warp max(16*68*4, 16*132*4) + 16*72*2.
+        assert_eq!(tc_smem(128), 52_224 + 4 * (8_448 + 2_304) + 768);
+        // Tensor-core backward at D 80: 4*64*88*2 + max(2*64*68*4, 64*84*4) + 2*64*72*2 + 2*64*4 + 192*4.
+        assert_eq!(tc_bwd_smem(80), 45_056 + 34_816 + 18_432 + 512 + 768);
+    }
+
+    /// sm_86/sm_89 (101,376 bytes): every head dim has a plan; bf16 takes tensor cores where they fit.
+    #[test]
+    fn sm86_plans_fit_every_head_dim() {
+        for d in HEAD_DIMS {
+            for elem in [Elem::F32, Elem::Bf16] {
+                for saved in [true, false] {
+                    let b = backward(&problem(d), elem, &Caps::SM86, saved).unwrap();
+                    b.check(&Caps::SM86).unwrap();
+                }
+                forward(&problem(d), elem, &Caps::SM86).unwrap().check(&Caps::SM86).unwrap();
+            }
+        }
+        let f = launches(&forward(&problem(128), Elem::Bf16, &Caps::SM86).unwrap());
+        assert_eq!(f, [("attention_fwd_tc_bf16_128".to_string(), 96_000)]);
+        let b = launches(&backward(&problem(128), Elem::Bf16, &Caps::SM86, true).unwrap());
+        assert_eq!(b[1], ("attention_bwd_small_bf16_128".to_string(), 70_912));
+        let b = launches(&backward(&problem(80), Elem::Bf16, &Caps::SM86, true).unwrap());
+        assert_eq!(b[1], ("attention_bwd_tc_bf16_80".to_string(), 99_584));
+        let b = launches(&backward(&problem(80), Elem::F32, &Caps::SM86, true).unwrap());
+        assert_eq!(b[1], ("attention_bwd_f32_80".to_string(), 100_864));
+    }
+
+    /// sm_90: bf16 runs both directions on tensor cores at D 128; without a saved logsumexp the backward
+    /// starts with the forward kernel.
+    #[test]
+    fn sm90_takes_tensor_cores_and_recomputes_lse() {
+        let b = launches(&backward(&problem(128), Elem::Bf16, &Caps::SM90, false).unwrap());
+        let names: Vec<&str> = b.iter().map(|x| x.0.as_str()).collect();
+        assert_eq!(
+            names,
+            ["attention_fwd_tc_bf16_128", "attention_delta_bf16", "attention_bwd_tc_bf16_128", "attention_cast_bf16"]
+        );
+        assert_eq!(b[2].1, 124_160);
+    }
+}

@@ -15,6 +15,7 @@
 mod common;
 
 mod attention;
+mod checks;
 mod cross_entropy;
 mod norm;
 mod planted;
