@@ -20,11 +20,15 @@
 //   b * Hq + h) recomputes P = exp(S - lse) over the query tiles that can see its keys and accumulates
 //   dV += P^T dO, dK += dS^T Q in registers, dQ += dS K by f32 atomicAdd; dK, dV go to the kv head's rows
 //   by atomicAdd too (the Hq / Hkv query heads of a group share them). All three land in one zeroed f32
-//   buffer laid out as the op's output [dq, dk, dv]; `attention_cast_bf16` rounds it for bf16.
+//   buffer laid out as the op's output [dq, dk, dv]; `attention_cast_bf16` rounds it for bf16. The
+//   backward comes with 64 x 64 tiles and 32 x 32 ones (`attention_bwd_small_*`), which fit the 101,376
+//   bytes of shared memory of sm_86/sm_89 at every DP; the launch plan (kernels/src/plan/attention.rs)
+//   picks the largest that fits the device;
 // - bf16 has tensor-core twins of these kernels in attention_tc.cu (same contract); these CUDA-core ones
 //   serve f32, and bf16 on devices without the shared memory the tensor-core ones need.
 //
-// Compile check: nvcc -ptx -arch=compute_80 -std=c++17 -Icuda cuda/attention.cu (build.rs does this).
+// Compile check: nvcc -ptx -arch=compute_80 -std=c++17 -Icuda cuda/attention.cu (build.rs does this);
+// executed on a CPU: cargo test -p askgui-kernels --features cpu-exec --test emu attention.
 #include "attention.cuh"
 
 namespace askgui {

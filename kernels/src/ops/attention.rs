@@ -46,10 +46,9 @@ use std::sync::{Arc, Mutex};
 
 #[cfg(feature = "cuda")]
 mod cuda;
+pub use crate::plan::attention::HEAD_DIMS as CUDA_HEAD_DIMS;
 #[cfg(feature = "cuda")]
-use candle_core::{cuda_backend::cudarc::driver::CudaSlice, CudaStorage};
-#[cfg(feature = "cuda")]
-pub use cuda::HEAD_DIMS as CUDA_HEAD_DIMS;
+use candle_core::CudaStorage;
 
 /// Query rows taken at once: their scores against the keys they can see are one `(64, Tk)` block.
 pub const QUERY_BLOCK: usize = 64;
@@ -315,7 +314,7 @@ struct Attention {
     lse: Mutex<Option<Arc<Vec<f64>>>>,
     /// `(B, Hq, Tq)` f32 on the device, from the CUDA forward.
     #[cfg(feature = "cuda")]
-    lse_cuda: Mutex<Option<Arc<CudaSlice<f32>>>>,
+    lse_cuda: Mutex<Option<Arc<CudaStorage>>>,
 }
 
 impl CustomOp3 for Attention {
@@ -406,7 +405,7 @@ struct AttentionBwd {
     spec: Spec,
     lse: Option<Arc<Vec<f64>>>,
     #[cfg(feature = "cuda")]
-    lse_cuda: Option<Arc<CudaSlice<f32>>>,
+    lse_cuda: Option<Arc<CudaStorage>>,
 }
 
 /// The sizes of a backward call: the packed `[q, O, dO]` `(B, Hq, Tq, 3D)` gives q's shape.

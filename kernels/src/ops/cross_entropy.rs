@@ -23,7 +23,7 @@
 use super::{contiguous_slice, dtype_name, f32_slice, Float};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
 #[cfg(feature = "cuda")]
-use {super::gpu, candle_core::backend::BackendStorage, candle_core::CudaStorage};
+use {candle_core::backend::BackendStorage, candle_core::CudaStorage};
 
 /// Checks shapes and supervised labels; returns `(N, V)`.
 fn check(op: &str, logits: &Layout, labels: &Layout, mask: &Layout) -> Result<(usize, usize)> {
@@ -227,20 +227,16 @@ impl CustomOp3 for CrossEntropyMasked {
         if s2.dtype() != DType::U32 {
             bail!("{name}: labels must be u32, got {:?} {:?}", s2.dtype(), l2.shape())
         }
-        crate::cuda::suffix(name, &[("logits", s1.dtype()), ("mask", s3.dtype())])?;
-        let k = gpu_ce::Ce { op: name, n, v };
-        let (logits, labels, mask) = ((s1, l1), (s2, l2), (s3, l3));
+        let elem = super::gpu::elem(name, &[("logits", s1.dtype()), ("mask", s3.dtype())])?;
+        let ins = gpu_ce::Inputs { op: name, n, v, elem, logits: (s1, l1), labels: (s2, l2), mask: (s3, l3) };
         let mut saved = self.saved.lock().unwrap_or_else(|e| e.into_inner());
         match self.backward {
             None => {
-                let (loss, kept) = gpu::dispatch!(name, s1, gpu_ce::fwd(&k, logits, labels, mask))?;
+                let (loss, kept) = gpu_ce::fwd(&ins)?;
                 *saved = Some(kept);
                 Ok((loss, Shape::from(())))
             }
-            Some(g) => {
-                let out = gpu::dispatch!(name, s1, gpu_ce::bwd(&k, g, saved.take(), logits, labels, mask))?;
-                Ok((out, Shape::from((n, v))))
-            }
+            Some(g) => Ok((gpu_ce::bwd(&ins, g, saved.take())?, Shape::from((n, v)))),
         }
     }
 
@@ -286,134 +282,89 @@ pub fn cross_entropy_masked_reference(logits: &Tensor, labels: &Tensor, mask: &T
     nll / n_sup.max(1.0)
 }
 
-/// The CUDA launches of the cross-entropy (kernels in `cuda/cross_entropy.cu`).
+/// The CUDA path of the cross-entropy: host validation of the labels, then the plans of
+/// `plan::cross_entropy` (kernels in `cuda/cross_entropy.cu`).
 #[cfg(feature = "cuda")]
 mod gpu_ce {
-    use super::super::gpu::{kernel, row_threads, to_i32, Elem, Module};
+    use super::super::gpu;
     use super::check_labels;
-    use crate::cuda::{per_row, view, wrap};
+    use crate::plan::{cross_entropy as plan, Elem};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::WrapErr;
-    use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result};
-
-    type In<'a> = (&'a CudaStorage, &'a Layout);
-
-    /// Threads per row: a 152k-vocabulary row gives each of 512 threads ~300 elements, enough loads in
-    /// flight to stream the logits at memory bandwidth with four blocks per SM.
-    const ROW_THREADS: u32 = 512;
+    use candle_core::cuda_backend::CudaStorageSlice;
+    use candle_core::{bail, CudaStorage, Layout, Result};
 
     /// What the forward keeps for the backward: each row's logsumexp (f32, (N)) and the supervised count.
     pub(super) struct Saved {
-        lse: CudaSlice<f32>,
+        lse: CudaStorage,
         n_sup: usize,
     }
 
-    pub(super) struct Ce {
+    pub(super) struct Inputs<'a> {
         pub op: &'static str,
         pub n: usize,
         pub v: usize,
+        pub elem: Elem,
+        pub logits: (&'a CudaStorage, &'a Layout),
+        pub labels: (&'a CudaStorage, &'a Layout),
+        pub mask: (&'a CudaStorage, &'a Layout),
     }
 
-    /// Validates labels against the vocabulary (on the host) and runs the row pass: per-row losses
-    /// (f32, (N), zero on unsupervised rows) and what the backward needs.
-    fn rows<T: Elem>(k: &Ce, dev: &CudaDevice, logits: In, labels: In, mask: In) -> Result<(CudaSlice<f32>, Saved)> {
-        let op = k.op;
-        if k.n == 0 || k.v == 0 {
-            bail!("{op}: logits {:?} are empty; the CUDA kernels need at least one row and column", logits.1.shape())
+    impl Inputs<'_> {
+        fn plan_inputs(&self) -> Result<Vec<(&CudaStorage, usize)>> {
+            let op = self.op;
+            Ok(vec![
+                gpu::input(op, "logits", self.logits)?,
+                gpu::input(op, "labels", self.labels)?,
+                gpu::input(op, "mask", self.mask)?,
+            ])
         }
-        let lv = view::<T>(logits.0, logits.1, op, "logits")?;
-        let labv = view::<u32>(labels.0, labels.1, op, "labels")?;
-        let mv = view::<T>(mask.0, mask.1, op, "mask")?;
-        // N labels and N mask values: a small copy that lets a bad label fail with the CPU op's message.
-        let (labels_h, mask_h) = (dev.clone_dtoh(&labv)?, dev.clone_dtoh(&mv)?);
-        let n_sup = check_labels(op, &labels_h, &mask_h, k.v)?;
-        // SAFETY: ce_fwd writes loss[r] and lse[r] for every row r (one block per row).
-        let (loss, lse) = unsafe { (dev.alloc::<f32>(k.n)?, dev.alloc::<f32>(k.n)?) };
-        let v = to_i32(op, "the vocabulary", k.v)?;
-        let cfg = per_row(k.n, row_threads(k.v, ROW_THREADS), 0)?;
-        let (kn, km, kp) = kernel::<T>("ce_fwd", Module::CrossEntropy)?;
-        let f = dev.get_or_load_custom_func(&kn, km, kp)?;
-        let mut a = f.builder();
-        a.arg(&lv);
-        a.arg(&labv);
-        a.arg(&mv);
-        a.arg(&loss);
-        a.arg(&lse);
-        a.arg(&v);
-        // SAFETY: argument types and order match `ce_fwd_*`; logits hold n * v elements, labels, mask, loss
-        // and lse n; every supervised label is below v (checked above), unsupervised ones are never read.
-        unsafe { a.launch(cfg) }.w()?;
+
+        /// Copies the N labels and mask values to the host (small) so that a bad label fails with the CPU
+        /// op's message, and counts the supervised rows.
+        fn supervised(&self) -> Result<usize> {
+            let (op, n) = (self.op, self.n);
+            let ((ls, ll), (ms, ml)) = (self.labels, self.mask);
+            let (lstart, mstart) = (ll.start_offset(), ml.start_offset());
+            let dev = ls.device();
+            let labels = match &ls.slice {
+                CudaStorageSlice::U32(x) => dev.clone_dtoh(&x.slice(lstart..lstart + n))?,
+                _ => bail!("{op}: labels must be u32, got {:?}", ls.dtype()),
+            };
+            match &ms.slice {
+                CudaStorageSlice::F32(x) => {
+                    check_labels(op, &labels, &dev.clone_dtoh(&x.slice(mstart..mstart + n))?, self.v)
+                }
+                CudaStorageSlice::BF16(x) => {
+                    check_labels(op, &labels, &dev.clone_dtoh(&x.slice(mstart..mstart + n))?, self.v)
+                }
+                _ => bail!("{op}: the mask must be f32 or bf16 on CUDA, got {:?}", ms.dtype()),
+            }
+        }
+    }
+
+    /// The mean loss over supervised rows (a scalar of the logits dtype) and what the backward needs.
+    pub(super) fn fwd(ins: &Inputs) -> Result<(CudaStorage, Saved)> {
+        let n_sup = ins.supervised()?;
+        let plan = plan::forward(ins.n, ins.v, n_sup, ins.elem)?;
+        let mut out = gpu::run(&plan, &ins.plan_inputs()?)?.into_iter();
+        let (Some(loss), Some(lse)) = (out.next(), out.next()) else {
+            bail!("{}: the plan returns the loss and lse", ins.op)
+        };
         Ok((loss, Saved { lse, n_sup }))
     }
 
-    /// The mean loss over supervised rows (a scalar of the logits dtype; 0 when none is supervised).
-    pub(super) fn fwd<T: Elem>(
-        _: &CudaSlice<T>,
-        k: &Ce,
-        logits: In,
-        labels: In,
-        mask: In,
-    ) -> Result<(CudaStorage, Saved)> {
-        let dev = logits.0.device();
-        let (loss, saved) = rows::<T>(k, dev, logits, labels, mask)?;
-        let (n, count) = (to_i32(k.op, "rows", k.n)?, to_i32(k.op, "supervised rows", saved.n_sup)?);
-        // SAFETY: ce_mean writes out[0].
-        let out = unsafe { dev.alloc::<T>(1)? };
-        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let (kn, km, kp) = kernel::<T>("ce_mean", Module::CrossEntropy)?;
-        let f = dev.get_or_load_custom_func(&kn, km, kp)?;
-        let mut a = f.builder();
-        a.arg(&loss);
-        a.arg(&n);
-        a.arg(&count);
-        a.arg(&out);
-        // SAFETY: matches `ce_mean_*`: loss holds n floats, out one element; one block of 1024 threads.
-        unsafe { a.launch(cfg) }.w()?;
-        Ok((wrap(out, dev), saved))
-    }
-
-    /// dlogits (N, V) = `g / n_sup * (softmax - onehot)` on supervised rows, zeros elsewhere. Uses the
-    /// forward's saved logsumexp when given, else recomputes it (one extra pass).
-    pub(super) fn bwd<T: Elem>(
-        _: &CudaSlice<T>,
-        k: &Ce,
-        g: f64,
-        saved: Option<Saved>,
-        logits: In,
-        labels: In,
-        mask: In,
-    ) -> Result<CudaStorage> {
-        let dev = logits.0.device();
-        let saved = match saved {
-            Some(s) => s,
-            None => rows::<T>(k, dev, logits, labels, mask)?.1,
+    /// dlogits (N, V) = `g / n_sup * (softmax - onehot)` on supervised rows, zeros elsewhere, from the
+    /// forward's saved logsumexp when given (else the plan recomputes it).
+    pub(super) fn bwd(ins: &Inputs, g: f64, saved: Option<Saved>) -> Result<CudaStorage> {
+        let n_sup = match &saved {
+            Some(s) => s.n_sup,
+            None => ins.supervised()?,
         };
-        if saved.n_sup == 0 {
-            return Ok(wrap(dev.alloc_zeros::<T>(k.n * k.v)?, dev));
+        let plan = plan::backward(ins.n, ins.v, n_sup, g / n_sup.max(1) as f64, saved.is_some(), ins.elem)?;
+        let mut inputs = ins.plan_inputs()?;
+        if let Some(s) = &saved {
+            inputs.push((&s.lse, 0));
         }
-        let op = k.op;
-        let lv = view::<T>(logits.0, logits.1, op, "logits")?;
-        let labv = view::<u32>(labels.0, labels.1, op, "labels")?;
-        let mv = view::<T>(mask.0, mask.1, op, "mask")?;
-        let scale = (g / saved.n_sup as f64) as f32;
-        let v = to_i32(op, "the vocabulary", k.v)?;
-        // SAFETY: ce_bwd writes every element of every row (zeros on unsupervised rows).
-        let out = unsafe { dev.alloc::<T>(k.n * k.v)? };
-        let cfg = per_row(k.n, row_threads(k.v, ROW_THREADS), 0)?;
-        let (kn, km, kp) = kernel::<T>("ce_bwd", Module::CrossEntropy)?;
-        let f = dev.get_or_load_custom_func(&kn, km, kp)?;
-        let mut a = f.builder();
-        a.arg(&lv);
-        a.arg(&labv);
-        a.arg(&mv);
-        a.arg(&saved.lse);
-        a.arg(&scale);
-        a.arg(&out);
-        a.arg(&v);
-        // SAFETY: matches `ce_bwd_*`; logits and out hold n * v elements, labels, mask and lse n; the
-        // labels of supervised rows were checked against v by the forward pass that produced `saved`.
-        unsafe { a.launch(cfg) }.w()?;
-        Ok(wrap(out, dev))
+        gpu::single(ins.op, gpu::run(&plan, &inputs)?)
     }
 }

@@ -68,7 +68,7 @@ impl CustomOp2 for FrozenLinear {
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
         let (d_in, d_out, out_shape) = check(l1, l2)?;
         let name = self.name();
-        crate::cuda::suffix(name, &[("x", s1.dtype()), ("w", s2.dtype())])?;
+        super::gpu::elem(name, &[("x", s1.dtype()), ("w", s2.dtype())])?;
         let (Some((x0, _)), Some((w0, _))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
             bail!(
                 "{name}: x {:?} and w {:?} must be contiguous (strides {:?}, {:?})",

@@ -25,7 +25,7 @@ pub mod attention;
 pub mod cross_entropy;
 mod gemm;
 #[cfg(feature = "cuda")]
-mod gpu;
+pub(crate) mod gpu;
 pub mod linear;
 pub mod norm;
 pub mod rope;

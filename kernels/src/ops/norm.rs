@@ -15,7 +15,7 @@
 use super::{contiguous_slice, f32_slice, Float};
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 #[cfg(feature = "cuda")]
-use {super::gpu, candle_core::backend::BackendStorage, candle_core::CudaStorage};
+use {super::gpu, crate::plan::norm as plan, candle_core::backend::BackendStorage, candle_core::CudaStorage};
 
 /// Checks `x (.., D)` against the per-feature params `(D)` and returns `(rows, D)`.
 fn rows_and_dim(op: &str, x: &Layout, params: &[(&str, &Layout)]) -> Result<(usize, usize)> {
@@ -105,11 +105,12 @@ impl CustomOp2 for RmsNorm {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        let (rows, d) = rows_and_dim(self.name(), l1, &[("w", l2)])?;
-        crate::cuda::suffix(self.name(), &[("x", s1.dtype()), ("w", s2.dtype())])?;
-        let k = gpu_norm::Fwd { kind: NormKind::Rms, eps: self.eps, rows, d };
-        let y = gpu::dispatch!(self.name(), s1, gpu_norm::fwd(&k, (s1, l1), (s2, l2), None))?;
-        Ok((y, l1.shape().clone()))
+        let name = self.name();
+        let (rows, d) = rows_and_dim(name, l1, &[("w", l2)])?;
+        let elem = gpu::elem(name, &[("x", s1.dtype()), ("w", s2.dtype())])?;
+        let plan = plan::forward(plan::Kind::Rms, rows, d, self.eps, elem)?;
+        let ins = [gpu::input(name, "x", (s1, l1))?, gpu::input(name, "w", (s2, l2))?];
+        Ok((gpu::single(name, gpu::run(&plan, &ins)?)?, l1.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -244,10 +245,11 @@ impl CustomOp3 for LayerNorm {
     ) -> Result<(CudaStorage, Shape)> {
         let name = self.name();
         let (rows, d) = rows_and_dim(name, l1, &[("w", l2), ("b", l3)])?;
-        crate::cuda::suffix(name, &[("x", s1.dtype()), ("w", s2.dtype()), ("b", s3.dtype())])?;
-        let k = gpu_norm::Fwd { kind: NormKind::Layer, eps: self.eps, rows, d };
-        let y = gpu::dispatch!(name, s1, gpu_norm::fwd(&k, (s1, l1), (s2, l2), Some((s3, l3))))?;
-        Ok((y, l1.shape().clone()))
+        let elem = gpu::elem(name, &[("x", s1.dtype()), ("w", s2.dtype()), ("b", s3.dtype())])?;
+        let plan = plan::forward(plan::Kind::Layer, rows, d, self.eps, elem)?;
+        let ins =
+            [gpu::input(name, "x", (s1, l1))?, gpu::input(name, "w", (s2, l2))?, gpu::input(name, "b", (s3, l3))?];
+        Ok((gpu::single(name, gpu::run(&plan, &ins)?)?, l1.shape().clone()))
     }
 
     fn bwd(
@@ -354,15 +356,16 @@ impl CustomOp3 for NormBwd {
         if l3.shape() != l1.shape() {
             bail!("{name}: grad {:?} must have the shape of x {:?}", l3.shape(), l1.shape())
         }
-        crate::cuda::suffix(name, &[("x", s1.dtype()), ("w", s2.dtype()), ("grad", s3.dtype())])?;
-        let params = match (self.with_params, self.kind) {
-            (false, _) => 0,
-            (true, NormKind::Rms) => d,
-            (true, NormKind::Layer) => 2 * d,
+        let elem = gpu::elem(name, &[("x", s1.dtype()), ("w", s2.dtype()), ("grad", s3.dtype())])?;
+        let kind = match self.kind {
+            NormKind::Rms => plan::Kind::Rms,
+            NormKind::Layer => plan::Kind::Layer,
         };
-        let k = gpu_norm::Bwd { kind: self.kind, eps: self.eps, rows, d, params };
-        let out = gpu::dispatch!(name, s1, gpu_norm::bwd(&k, (s1, l1), (s2, l2), (s3, l3)))?;
-        Ok((out, Shape::from(rows * d + params)))
+        let plan = plan::backward(kind, rows, d, self.eps, self.with_params, elem)?;
+        let ins =
+            [gpu::input(name, "x", (s1, l1))?, gpu::input(name, "w", (s2, l2))?, gpu::input(name, "grad", (s3, l3))?];
+        let params = if self.with_params { kind.params(d) } else { 0 };
+        Ok((gpu::single(name, gpu::run(&plan, &ins)?)?, Shape::from(rows * d + params)))
     }
 }
 
@@ -374,147 +377,4 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
 /// LayerNorm with frozen `w` and `b`: gradient for `x` only, `w` and `b` never get a `GradStore` entry.
 pub fn layer_norm_frozen(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps, params: Params::Frozen })
-}
-
-/// The CUDA launches of the norms (kernels in `cuda/norm.cu`).
-#[cfg(feature = "cuda")]
-mod gpu_norm {
-    use super::super::gpu::{kernel, row_threads, to_i32, Elem, Module};
-    use super::NormKind;
-    use crate::cuda::{per_row, view, wrap};
-    use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::WrapErr;
-    use candle_core::{bail, CudaStorage, Layout, Result};
-
-    type In<'a> = (&'a CudaStorage, &'a Layout);
-
-    /// Blocks of the backward when parameter gradients are wanted: each owns a row of partial sums, so
-    /// fewer blocks mean a smaller `partial` buffer and a shorter final reduction; 512 fill an H100
-    /// (132 SMs) about four times over.
-    const BWD_BLOCKS: usize = 512;
-    /// Dynamic shared memory for the partial sums, below the 48 KiB default minus the static scratch.
-    const SHARED_ACC_MAX: usize = 48 * 1024 - 256;
-
-    pub(super) struct Fwd {
-        pub kind: NormKind,
-        pub eps: f64,
-        pub rows: usize,
-        pub d: usize,
-    }
-
-    fn name(kind: NormKind) -> &'static str {
-        match kind {
-            NormKind::Rms => "rms_norm",
-            NormKind::Layer => "layer_norm",
-        }
-    }
-
-    /// `y (rows, d)` of x `(rows, d)` with w `(d)` (and b `(d)` for LayerNorm).
-    pub(super) fn fwd<T: Elem>(_: &CudaSlice<T>, k: &Fwd, x: In, w: In, b: Option<In>) -> Result<CudaStorage> {
-        let op = name(k.kind);
-        let dev = x.0.device();
-        if k.rows == 0 {
-            bail!("{op}: x {:?} is empty; the CUDA kernels need at least one row", x.1.shape())
-        }
-        let (xv, wv) = (view::<T>(x.0, x.1, op, "x")?, view::<T>(w.0, w.1, op, "w")?);
-        let d = to_i32(op, "the row length", k.d)?;
-        let eps = k.eps as f32;
-        // SAFETY: the kernel below writes every element: one block per row, each covering all d columns.
-        let y = unsafe { dev.alloc::<T>(k.rows * k.d)? };
-        let cfg = per_row(k.rows, row_threads(k.d, 1024), 0)?;
-        let (kn, km, kp) = kernel::<T>(&format!("{op}_fwd"), Module::Norm)?;
-        let f = dev.get_or_load_custom_func(&kn, km, kp)?;
-        let bv = match (k.kind, b) {
-            (NormKind::Layer, Some(b)) => Some(view::<T>(b.0, b.1, op, "b")?),
-            (NormKind::Layer, None) => bail!("layer_norm: the CUDA forward needs a bias"),
-            (NormKind::Rms, _) => None,
-        };
-        let mut a = f.builder();
-        a.arg(&xv);
-        a.arg(&wv);
-        if let Some(bv) = &bv {
-            a.arg(bv);
-        }
-        a.arg(&y);
-        a.arg(&d);
-        a.arg(&eps);
-        // SAFETY: argument types and order match `{rms,layer}_norm_fwd_*` in norm.cu; x, w, b are
-        // contiguous views of rows * d, d and d elements, y holds rows * d.
-        unsafe { a.launch(cfg) }.w()?;
-        Ok(wrap(y, dev))
-    }
-
-    pub(super) struct Bwd {
-        pub kind: NormKind,
-        pub eps: f64,
-        pub rows: usize,
-        pub d: usize,
-        /// Parameter-gradient elements after dx: 0 (frozen), d (RMSNorm) or 2 d (LayerNorm).
-        pub params: usize,
-    }
-
-    /// `[dx (rows d), dw (d) (, db (d))]` for x `(rows, d)`, w `(d)`, grad `(rows, d)`.
-    pub(super) fn bwd<T: Elem>(_: &CudaSlice<T>, k: &Bwd, x: In, w: In, g: In) -> Result<CudaStorage> {
-        let op = match k.kind {
-            NormKind::Rms => "rms_norm_bwd",
-            NormKind::Layer => "layer_norm_bwd",
-        };
-        let dev = x.0.device();
-        if k.rows == 0 {
-            bail!("{op}: x {:?} is empty; the CUDA kernels need at least one row", x.1.shape())
-        }
-        let (xv, wv, gv) =
-            (view::<T>(x.0, x.1, op, "x")?, view::<T>(w.0, w.1, op, "w")?, view::<T>(g.0, g.1, op, "grad")?);
-        let n = k.rows * k.d;
-        let blocks = if k.params > 0 { k.rows.min(BWD_BLOCKS) } else { k.rows };
-        let acc_shared = k.params > 0 && k.params * 4 <= SHARED_ACC_MAX;
-        // SAFETY: the bwd kernel writes dx (every row), norm_param_reduce the params elements after it.
-        let out = unsafe { dev.alloc::<T>(n + k.params)? };
-        // SAFETY: with params, every block zeroes its row of partials (or fills it from shared memory)
-        // before it is read; without params the one-element buffer is never touched.
-        let partial = unsafe { dev.alloc::<f32>((blocks * k.params).max(1))? };
-        let (rows, d, p) =
-            (to_i32(op, "rows", k.rows)?, to_i32(op, "the row length", k.d)?, to_i32(op, "params", k.params)?);
-        let (eps, shared) = (k.eps as f32, i32::from(acc_shared));
-        let cfg = per_row(blocks, row_threads(k.d, 512), if acc_shared { (k.params * 4) as u32 } else { 0 })?;
-        let (kn, km, kp) = kernel::<T>(op, Module::Norm)?;
-        let f = dev.get_or_load_custom_func(&kn, km, kp)?;
-        let mut a = f.builder();
-        a.arg(&xv);
-        a.arg(&wv);
-        a.arg(&gv);
-        a.arg(&out);
-        a.arg(&partial);
-        a.arg(&rows);
-        a.arg(&d);
-        a.arg(&eps);
-        a.arg(&p);
-        a.arg(&shared);
-        // SAFETY: argument types and order match `{rms,layer}_norm_bwd_*` in norm.cu; x, grad are rows * d,
-        // w is d, out holds rows * d + params, partial blocks * params (the grid has `blocks` blocks), and
-        // the dynamic shared memory is params floats when acc_shared.
-        unsafe { a.launch(cfg) }.w()?;
-        if k.params > 0 {
-            let blocks_i = to_i32(op, "blocks", blocks)?;
-            let off = n as u64;
-            let cfg = LaunchConfig {
-                grid_dim: (k.params.div_ceil(256) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let (kn, km, kp) = kernel::<T>("norm_param_reduce", Module::Norm)?;
-            let f = dev.get_or_load_custom_func(&kn, km, kp)?;
-            let mut a = f.builder();
-            a.arg(&partial);
-            a.arg(&blocks_i);
-            a.arg(&p);
-            a.arg(&out);
-            a.arg(&off);
-            // SAFETY: matches `norm_param_reduce_*`: partial holds blocks * params floats, out[n..n + params]
-            // is inside its n + params elements.
-            unsafe { a.launch(cfg) }.w()?;
-        }
-        Ok(wrap(out, dev))
-    }
 }

@@ -42,7 +42,7 @@
 use super::{contiguous_slice, f32_slice, Float};
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 #[cfg(feature = "cuda")]
-use {super::gpu, candle_core::backend::BackendStorage, candle_core::CudaStorage};
+use {super::gpu, crate::plan::rope as plan, candle_core::backend::BackendStorage, candle_core::CudaStorage};
 
 /// Forward (`y = x cos + rotate_half(x) sin`) or its transpose (`dx = g cos - rotate_half(g sin)`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,10 +183,19 @@ impl CustomOp3 for Rope {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let name = self.name();
-        let d = check_layouts(name, l1, l2, l3)?;
-        crate::cuda::suffix(name, &[("x", s1.dtype()), ("cos", s2.dtype()), ("sin", s3.dtype())])?;
-        let y = gpu::dispatch!(name, s1, gpu_rope::run(self.dir, d, (s1, l1), (s2, l2), (s3, l3)))?;
-        Ok((y, l1.shape().clone()))
+        check_layouts(name, l1, l2, l3)?;
+        let elem = gpu::elem(name, &[("x", s1.dtype()), ("cos", s2.dtype()), ("sin", s3.dtype())])?;
+        let dir = match self.dir {
+            Direction::Forward => plan::Direction::Forward,
+            Direction::Transpose => plan::Direction::Transpose,
+        };
+        let dims = l1.shape().dims();
+        // The tables are stride-0 views of x's shape: the kernel reads them from their start offset, up to
+        // the furthest element their strides reach.
+        let reach = |l: &Layout| 1 + dims.iter().zip(l.stride()).map(|(&n, &s)| n.saturating_sub(1) * s).sum::<usize>();
+        let plan = plan::plan(dir, dims, (&l2.stride()[..], reach(l2)), (&l3.stride()[..], reach(l3)), elem)?;
+        let ins = [gpu::input(name, "x", (s1, l1))?, (s2, l2.start_offset()), (s3, l3.start_offset())];
+        Ok((gpu::single(name, gpu::run(&plan, &ins)?)?, l1.shape().clone()))
     }
 
     fn bwd(
@@ -236,116 +245,4 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     }
     let (c, s) = (broadcast_table("cos", cos, x)?, broadcast_table("sin", sin, x)?);
     x.contiguous()?.apply_op3(&c, &s, Rope { dir: Direction::Forward })
-}
-
-/// The CUDA launch of the rotation (kernel in `cuda/rope.cu`).
-#[cfg(feature = "cuda")]
-mod gpu_rope {
-    use super::super::gpu::{kernel, to_i32, Elem, Module};
-    use super::Direction;
-    use crate::cuda::{view, wrap};
-    use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::WrapErr;
-    use candle_core::{bail, CudaStorage, Layout, Result};
-
-    type In<'a> = (&'a CudaStorage, &'a Layout);
-
-    /// Leading dims the kernel can index (`ROPE_MAX_LEAD` in rope.cu).
-    const MAX_LEAD: usize = 6;
-
-    /// x's leading dims and the tables' strides along them; the layout of `RopeIdx` in rope.cu.
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default)]
-    struct RopeIdx {
-        rank: u32,
-        pad: u32,
-        dims: [u64; MAX_LEAD],
-        cos_stride: [u64; MAX_LEAD],
-        sin_stride: [u64; MAX_LEAD],
-    }
-
-    // SAFETY: a plain #[repr(C)] struct of integers (no pointers, no padding the kernel reads), laid out
-    // as the `RopeIdx` kernel parameter in rope.cu (152 bytes, 8-aligned).
-    unsafe impl DeviceRepr for RopeIdx {}
-
-    /// Leading dims of x (all but the last) with the tables' strides: size-1 dims dropped, and a dim merged
-    /// into its outer neighbour when both tables allow (outer stride = inner stride * inner size).
-    fn index(op: &str, x: &Layout, cos: &Layout, sin: &Layout) -> Result<RopeIdx> {
-        let dims = x.shape().dims();
-        let lead = dims.len() - 1;
-        let (cs, ss) = (&cos.stride()[..lead], &sin.stride()[..lead]);
-        let mut merged: Vec<(usize, usize, usize)> = Vec::with_capacity(lead);
-        for k in 0..lead {
-            let (n, c, s) = (dims[k], cs[k], ss[k]);
-            if n == 1 {
-                continue;
-            }
-            match merged.last_mut() {
-                Some(last) if last.1 == c * n && last.2 == s * n => *last = (last.0 * n, c, s),
-                _ => merged.push((n, c, s)),
-            }
-        }
-        if merged.len() > MAX_LEAD {
-            bail!(
-                "{op}: the CUDA kernel indexes at most {MAX_LEAD} leading dims; x {:?} with table strides {:?} / \
-                 {:?} leaves {}",
-                x.shape(),
-                cos.stride(),
-                sin.stride(),
-                merged.len()
-            )
-        }
-        let mut idx = RopeIdx { rank: merged.len() as u32, ..Default::default() };
-        for (k, (n, c, s)) in merged.into_iter().enumerate() {
-            (idx.dims[k], idx.cos_stride[k], idx.sin_stride[k]) = (n as u64, c as u64, s as u64);
-        }
-        Ok(idx)
-    }
-
-    /// `y` of x's shape: the rotation (or its transpose) of x with the broadcast tables.
-    pub(super) fn run<T: Elem>(
-        _: &CudaSlice<T>,
-        dir: Direction,
-        d: usize,
-        x: In,
-        cos: In,
-        sin: In,
-    ) -> Result<CudaStorage> {
-        let op = match dir {
-            Direction::Forward => "rope_fwd",
-            Direction::Transpose => "rope_bwd",
-        };
-        let dev = x.0.device();
-        let n = x.1.shape().elem_count();
-        if n == 0 {
-            bail!("{op}: x {:?} is empty; the CUDA kernel needs at least one pair", x.1.shape())
-        }
-        let idx = index(op, x.1, cos.1, sin.1)?;
-        let xv = view::<T>(x.0, x.1, op, "x")?;
-        // The tables are stride-0 views: the kernel reads them from their start offset through `idx`.
-        let cv = cos.0.as_cuda_slice::<T>()?.slice(cos.1.start_offset()..);
-        let sv = sin.0.as_cuda_slice::<T>()?.slice(sin.1.start_offset()..);
-        let pairs = (n / 2) as u64;
-        let h = to_i32(op, "half the head dim", d / 2)?;
-        // SAFETY: every pair (i, i + h) of every row is written by the grid-stride loop below.
-        let y = unsafe { dev.alloc::<T>(n)? };
-        let blocks = pairs.div_ceil(256).min(1 << 20) as u32;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let (kn, km, kp) = kernel::<T>(op, Module::Rope)?;
-        let f = dev.get_or_load_custom_func(&kn, km, kp)?;
-        let mut a = f.builder();
-        a.arg(&xv);
-        a.arg(&cv);
-        a.arg(&sv);
-        a.arg(&y);
-        a.arg(&idx);
-        a.arg(&pairs);
-        a.arg(&h);
-        // SAFETY: argument types and order match `rope_{fwd,bwd}_*` in rope.cu. x and y hold n elements;
-        // check_layouts proved the tables are views of x's shape with unit last stride, so every offset
-        // the kernel forms from idx (strides of those views, from their start) lies inside their storage.
-        unsafe { a.launch(cfg) }.w()?;
-        Ok(wrap(y, dev))
-    }
 }

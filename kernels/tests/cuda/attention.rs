@@ -28,56 +28,12 @@ use askgui_kernels::AttentionMask;
 use candle_core::{DType, Device, Tensor, Var};
 use std::time::Instant;
 
-/// Seeded inputs and flattening, as in `tests/common` (not shared by `mod`: the test executable's other
-/// modules load that file too, and clippy refuses a file loaded twice).
-mod common {
-    use anyhow::Result;
-    use candle_core::{DType, Device, Tensor};
+use crate::common;
 
-    /// Deterministic uniform values in [-1, 1) (a 64-bit LCG): the same numbers on every machine.
-    fn uniform(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    /// A CPU tensor of `uniform` values, made in f64 and converted to `dtype`.
-    pub fn tensor(dims: &[usize], seed: u64, dtype: DType) -> Result<Tensor> {
-        Ok(Tensor::from_vec(uniform(dims.iter().product(), seed), dims, &Device::Cpu)?.to_dtype(dtype)?)
-    }
-
-    pub fn flat(t: &Tensor) -> Result<Vec<f64>> {
-        Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
-    }
-}
-
-/// `|got - want| <= atol + rtol * |want|`, per element.
-#[derive(Clone, Copy, Debug)]
-struct Tol {
-    atol: f64,
-    rtol: f64,
-}
-
-/// f32 output: both sides compute in f32 from identical inputs; they differ only in summation order
-/// (GPU: 64-key tiles with online rescaling, CPU: GEMMs with f64 softmax statistics) and in `exp2f`
-/// (~2 ulp). Outputs are averages of values in [-2, 2), so the expected error is ~1e-6; 1e-4 leaves
-/// margin and still catches any wrong term (those are 1e-2 or more).
-const F32_FWD: Tol = Tol { atol: 1e-4, rtol: 1e-4 };
-/// f32 gradients: sums over up to 4097 rows (times 7 query heads for dk, dv) of products of order 1, in
-/// a different order and through f32 atomics on the GPU; dk, dv reach ~10 on the first keys of a long
-/// causal sequence, so a relative term is needed: ~1e-6 expected, 1e-3 relative allowed.
-const F32_GRAD: Tol = Tol { atol: 5e-4, rtol: 1e-3 };
-/// bf16 output: the math is f32 on identical (already rounded) inputs, so the difference is the final
-/// rounding of O to bf16 (2^-9 relative, < 4e-3 of |O| <= 2) plus f32 noise: 1e-2 leaves ~2.5x margin.
-const BF16_FWD: Tol = Tol { atol: 1e-2, rtol: 1e-2 };
-/// bf16 gradients: the GPU's D_i = rowsum(dO * O) uses the bf16-rounded O that the op returned (the CPU
-/// side its f32 O), which moves dS by ~P * scale * 2^-9 * |dO . O|, and the gradients are rounded to bf16
-/// (2^-9 relative of values up to ~10, i.e. ~0.02 absolute on the largest): 2e-2 + 2e-2 |ref|.
-const BF16_GRAD: Tol = Tol { atol: 2e-2, rtol: 2e-2 };
+// The tolerances of `tests/common/tol.rs`, whose comments give the reasons (shared with `tests/emu/`).
+use crate::common::tol::{
+    Tol, BF16_ATTN as BF16_FWD, BF16_ATTN_GRAD as BF16_GRAD, F32_ATTN as F32_FWD, F32_ATTN_GRAD as F32_GRAD,
+};
 
 #[derive(Clone, Debug)]
 enum Mask {
@@ -170,56 +126,12 @@ fn run(c: &Case, xs: &[Tensor; 4], dtype: DType, device: &Device) -> Result<Run>
     Ok(Run { out: out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?, grads })
 }
 
-/// Compares `got` with `want` element-wise; prints one summary line; returns a failure report if any
-/// element is out of tolerance or not finite.
+/// Compares `got` with `want` element-wise through the one helper of `tests/common/tol.rs`; returns its
+/// failure report if any element is out of tolerance or not finite.
 fn compare(label: &str, got: &Tensor, want: &Tensor, tol: Tol) -> Result<Option<String>> {
     ensure!(got.dims() == want.dims(), "{label}: shapes differ, {:?} vs {:?}", got.dims(), want.dims());
-    let dims = got.dims().to_vec();
     let (g, w) = (common::flat(got)?, common::flat(want)?);
-    let at = |mut i: usize| -> Vec<usize> {
-        let mut idx = vec![0; dims.len()];
-        for (x, &n) in idx.iter_mut().zip(&dims).rev() {
-            *x = i % n;
-            i /= n;
-        }
-        idx
-    };
-    let (mut max_abs, mut max_abs_i, mut max_rel, mut max_rel_i) = (0f64, 0usize, 0f64, 0usize);
-    let (mut bad, mut first_bad, mut err2, mut ref2, mut max_ref) = (0usize, None, 0f64, 0f64, 0f64);
-    for (i, (&x, &y)) in g.iter().zip(&w).enumerate() {
-        let e = (x - y).abs();
-        // Written so that NaN (in either side) counts as out of tolerance.
-        let within = e <= tol.atol + tol.rtol * y.abs();
-        if !within {
-            bad += 1;
-            first_bad.get_or_insert(i);
-        }
-        // The first NaN sticks as the maximum: it is the most useful place to look.
-        if !max_abs.is_nan() && (e.is_nan() || e > max_abs) {
-            (max_abs, max_abs_i) = (e, i);
-        }
-        let rel = e / y.abs().max(1e-6);
-        if y.abs() > tol.atol && rel > max_rel {
-            (max_rel, max_rel_i) = (rel, i);
-        }
-        err2 += e * e;
-        ref2 += y * y;
-        max_ref = max_ref.max(y.abs());
-    }
-    let rel_l2 = (err2 / ref2.max(1e-30)).sqrt();
-    let line = format!(
-        "{label} {dims:?}: max abs err {max_abs:.3e} at {:?} (got {:.6}, want {:.6}); max rel err {max_rel:.3e} at \
-         {:?} (|want| > atol); rel L2 {rel_l2:.3e}; max |want| {max_ref:.3}; {bad}/{} outside {:e} + {:e} |want|",
-        at(max_abs_i),
-        g.get(max_abs_i).copied().unwrap_or(f64::NAN),
-        w.get(max_abs_i).copied().unwrap_or(f64::NAN),
-        at(max_rel_i),
-        g.len(),
-        tol.atol,
-        tol.rtol
-    );
-    eprintln!("{}{line}", if bad > 0 { "FAIL " } else { "ok   " });
-    Ok(first_bad.map(|i| format!("{line}; first bad at {:?}: got {}, want {}", at(i), g[i], w[i])))
+    Ok(common::tol::compare(label, got.dims(), &g, &w, tol).err())
 }
 
 /// Runs every case in f32 and bf16 against the CPU op; fails with all the failures together.

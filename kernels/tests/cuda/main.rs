@@ -4,6 +4,9 @@
 //! `scripts/build_cuda_artifacts.sh`). Each module owns one family of kernels. Without a CUDA device the
 //! tests print SKIPPED and pass, so `cargo test --features cuda` stays usable on a GPU-less machine.
 
+#[path = "../common/mod.rs"]
+mod common;
+
 mod attention;
 mod norm_rope_ce;
 mod tiling;

@@ -8,8 +8,7 @@
 //! Run on a GPU: `cargo test -p askgui-kernels --features cuda --test cuda -- norm_rope_ce --nocapture`
 //! (prints one line per comparison). Without a CUDA device every test prints SKIPPED and passes.
 
-#[path = "../common/mod.rs"]
-mod common;
+use crate::common;
 
 use anyhow::{bail, ensure, Context, Result};
 use askgui_kernels::ops::{
@@ -18,76 +17,16 @@ use askgui_kernels::ops::{
 use candle_core::{DType, Device, Tensor, Var};
 use common::{flat, tensor};
 
-/// Tolerance `atol + rtol * |ref|` per element.
-#[derive(Clone, Copy, Debug)]
-struct Tol {
-    atol: f64,
-    rtol: f64,
-}
-
-/// bf16 outputs are rounded once from f32 math: half an ulp is at most 2^-8 of |ref|, and an f32
-/// difference that flips a rounding tie costs one ulp, at most 2^-7 of |ref|. So rtol = 2^-7 (8e-3) and a
-/// small atol for values near zero, where f32 cancellation noise (~1e-6 of the operands) dominates.
-const BF16: Tol = Tol { atol: 1e-4, rtol: 1.0 / 128.0 };
-/// f32 row statistics (sums of up to 12.5k terms) against the CPU op's f64: rounding noise of a few 1e-6
-/// relative; 2e-5 leaves margin yet catches a wrong term (which costs O(1)).
-const F32_ROWS: Tol = Tol { atol: 2e-5, rtol: 2e-5 };
-/// f32 parameter gradients are sums over up to 4097 rows, accumulated in f32 partials; |dw| grows like
-/// sqrt(rows), rounding noise like rows * 6e-8 in the worst case.
-const F32_PARAMS: Tol = Tol { atol: 2e-4, rtol: 1e-4 };
-/// RoPE: two products and a sum per output, f32 FMA vs f64: two f32 ulps.
-const F32_ROPE: Tol = Tol { atol: 1e-6, rtol: 1e-6 };
-/// cuBLAS f32 (full f32 compute, candle's default: no TF32) against the CPU GEMM: both accumulate up to
-/// 1280 products in f32, in different orders.
-const F32_GEMM: Tol = Tol { atol: 1e-4, rtol: 1e-4 };
+// The tolerances of `tests/common/tol.rs`, whose comments give the reasons (shared with `tests/emu/`).
+use crate::common::tol::{Tol, BF16, F32_GEMM, F32_PARAMS, F32_ROPE, F32_ROWS};
 
 const EPS: f64 = 1e-6;
 
-/// Fails when any element of `got` is outside `tol` of `want`; prints the max errors either way.
+/// Fails when any element of `got` is outside `tol` of `want` (the one helper of `tests/common/tol.rs`).
 fn close(what: &str, got: &Tensor, want: &Tensor, tol: Tol) -> Result<()> {
     ensure!(got.dims() == want.dims(), "{what}: shapes differ, got {:?}, want {:?}", got.dims(), want.dims());
     let (g, w) = (flat(&got.to_device(&Device::Cpu)?)?, flat(&want.to_device(&Device::Cpu)?)?);
-    let (mut max_abs, mut max_rel, mut bad, mut worst) = (0f64, 0f64, 0usize, None::<(usize, f64)>);
-    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
-        let d = (a - b).abs();
-        max_abs = max_abs.max(d);
-        if b.abs() > tol.atol {
-            max_rel = max_rel.max(d / b.abs());
-        }
-        let excess = d - (tol.atol + tol.rtol * b.abs());
-        // NaN (in either) counts as a mismatch.
-        if excess > 0.0 || excess.is_nan() {
-            bad += 1;
-            if worst.is_none_or(|(_, e)| excess > e || excess.is_nan()) {
-                worst = Some((i, excess));
-            }
-        }
-    }
-    let dims = got.dims();
-    eprintln!("{what} {dims:?} {:?}: max abs err {max_abs:.3e}, max rel err {max_rel:.3e}", got.dtype());
-    if let Some((i, _)) = worst {
-        let at = unravel(i, dims);
-        bail!(
-            "{what} {dims:?} {:?}: {bad} of {} elements outside atol {:e} + rtol {:e} * |ref|; worst at {at:?} \
-             (flat {i}): got {}, want {}; max abs err {max_abs:.3e}, max rel err {max_rel:.3e}",
-            got.dtype(),
-            g.len(),
-            tol.atol,
-            tol.rtol,
-            g[i],
-            w[i]
-        )
-    }
-    Ok(())
-}
-
-fn unravel(mut i: usize, dims: &[usize]) -> Vec<usize> {
-    let mut at = vec![0; dims.len()];
-    for (k, &d) in dims.iter().enumerate().rev() {
-        at[k] = i % d.max(1);
-        i /= d.max(1);
-    }
-    at
+    common::tol::compare(&format!("{what} {:?}", got.dtype()), got.dims(), &g, &w, tol).map_err(anyhow::Error::msg)
 }
 
 /// One input of a case: an f64 (or u32) CPU tensor, whether it is converted to the case dtype, whether it
