@@ -28,6 +28,9 @@ fn broadcast_strides(table: &[usize], x: &[usize]) -> Vec<usize> {
     (0..x.len()).map(|i| if i < lead { 0 } else { contiguous[i - lead] }).collect()
 }
 
+/// A case: name, x dims, the (cos, sin) table values, and the tables' dims.
+type Case = (&'static str, Vec<usize>, (Vec<f64>, Vec<f64>), Vec<usize>);
+
 #[test]
 fn rope_forward_transpose() {
     let (b, h, t, d) = (2, 3, 37, 16);
@@ -40,7 +43,7 @@ fn rope_forward_transpose() {
     let plain =
         |f: fn(f64) -> f64| (0..t * d).map(|i| f((i / d) as f64 * 0.1 + (i % d) as f64 * 0.03)).collect::<Vec<f64>>();
     let (p, hv) = (29, 4); // vision: x (P, H, D), tables (P, 1, D)
-    let cases: Vec<(&str, Vec<usize>, (Vec<f64>, Vec<f64>), Vec<usize>)> = vec![
+    let cases: Vec<Case> = vec![
         ("mrope_text", vec![b, h, t, d], (values(&mc), values(&ms)), vec![b, 1, t, d]),
         ("plain_t_d", vec![b, h, t, d], (plain(f64::cos), plain(f64::sin)), vec![t, d]),
         (
