@@ -1,10 +1,11 @@
-//! Masked cross-entropy plans (`cuda/cross_entropy.cu`) against the CPU op: the mean loss and dlogits,
+//! Masked cross-entropy plans (`cuda/cross_entropy.cu`) against the CPU op (in the same dtype): the mean
+//! loss and dlogits,
 //! f32 and bf16, a 152k vocabulary, infinite logits (the CPU op's definition), an all-masked batch, the
 //! logsumexp recomputed when it is not saved.
 
 use crate::common::tol::{compare, BF16, F32_ROWS};
 use crate::common::uniform;
-use crate::{from_bytes, rounded, run, to_bytes, Failures, ORDERS};
+use crate::{cpu_tensor, from_bytes, rounded, run, to_bytes, values, Failures, ORDERS};
 use askgui_kernels::ops::cross_entropy_masked;
 use askgui_kernels::plan::cross_entropy::{backward, forward};
 use askgui_kernels::plan::{Caps, Elem};
@@ -32,20 +33,14 @@ fn case(
     Case { name, n, v, set, labels, mask }
 }
 
-/// The CPU op's mean loss and its dlogits (upstream gradient 1).
-fn cpu(c: &Case, logits: &[f64]) -> (f64, Vec<f64>) {
-    let lv = Var::from_tensor(
-        &Tensor::from_vec(logits.iter().map(|&x| x as f32).collect::<Vec<_>>(), (c.n, c.v), &Device::Cpu).unwrap(),
-    )
-    .unwrap();
+/// The CPU op's mean loss and its dlogits (upstream gradient 1), in `elem`'s dtype.
+fn cpu(c: &Case, logits: &[f64], elem: Elem) -> (f64, Vec<f64>) {
+    let lv = Var::from_tensor(&cpu_tensor(logits, &[c.n, c.v], elem)).unwrap();
     let labels = Tensor::from_vec(c.labels.clone(), c.n, &Device::Cpu).unwrap();
     let mask = Tensor::from_vec(c.mask.iter().map(|&m| m as f32).collect::<Vec<_>>(), c.n, &Device::Cpu).unwrap();
     let loss = cross_entropy_masked(lv.as_tensor(), &labels, &mask).unwrap();
     let g = loss.backward().unwrap();
-    let d = g
-        .get(lv.as_tensor())
-        .map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f64::from).collect());
-    (loss.to_scalar::<f32>().unwrap() as f64, d.unwrap_or_else(|| vec![0.0; c.n * c.v]))
+    (values(&loss)[0], g.get(lv.as_tensor()).map(values).unwrap_or_else(|| vec![0.0; c.n * c.v]))
 }
 
 #[test]
@@ -71,7 +66,7 @@ fn cross_entropy_finite_infinite_masked() {
                 logits[r * c.v + j] = x;
             }
             let logits = rounded(&logits, elem);
-            let (loss, dlogits) = cpu(c, &logits);
+            let (loss, dlogits) = cpu(c, &logits, elem);
             let n_sup = c.mask.iter().filter(|&&m| m != 0.0).count();
             let tol = if elem == Elem::F32 { F32_ROWS } else { BF16 };
             let labels: Vec<u8> = c.labels.iter().flat_map(|l| l.to_le_bytes()).collect();
@@ -105,7 +100,7 @@ fn cross_entropy_nan_logit_is_nan() {
     let c = case("nan", (2, 33), vec![(1, 4, f64::NAN)], vec![0, 1], vec![1.0, 1.0]);
     let mut logits = uniform(66, 3);
     logits[33 + 4] = f64::NAN;
-    let (loss, _) = cpu(&c, &logits);
+    let (loss, _) = cpu(&c, &logits, Elem::F32);
     let labels: Vec<u8> = c.labels.iter().flat_map(|l| l.to_le_bytes()).collect();
     let ins = vec![to_bytes(&logits, Elem::F32), labels, to_bytes(&c.mask, Elem::F32)];
     let out = run(&forward(2, 33, 2, Elem::F32).unwrap(), &ins, Caps::SM86, ORDERS[0]);

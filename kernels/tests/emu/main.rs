@@ -51,6 +51,18 @@ pub fn rounded(v: &[f64], elem: Elem) -> Vec<f64> {
     from_bytes(&to_bytes(v, elem), elem)
 }
 
+/// A CPU tensor of `v` in `elem`'s dtype (f32 or bf16): the CPU ops in bf16 are the reference the
+/// executor's bf16 runs are held to (they compute in f32 and round once, like the kernels).
+pub fn cpu_tensor(v: &[f64], dims: &[usize], elem: Elem) -> candle_core::Tensor {
+    let dtype = if elem == Elem::Bf16 { candle_core::DType::BF16 } else { candle_core::DType::F32 };
+    candle_core::Tensor::from_vec(v.to_vec(), dims, &candle_core::Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+}
+
+/// The values of a CPU tensor of any float dtype.
+pub fn values(t: &candle_core::Tensor) -> Vec<f64> {
+    t.to_dtype(candle_core::DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
 /// Runs `plan` on the CPU executor; panics with the executor's message (the test's failure) on error.
 pub fn run(plan: &Plan, inputs: &[Vec<u8>], caps: Caps, order: Order) -> Vec<Vec<u8>> {
     let opts = Options { order, ..Options::new(caps) };

@@ -1,24 +1,20 @@
-//! RMSNorm and LayerNorm plans (`cuda/norm.cu`) against the CPU ops, forward and backward, f32 and bf16,
+//! RMSNorm and LayerNorm plans (`cuda/norm.cu`) against the CPU ops in the same dtype, forward and
+//! backward, f32 and bf16,
 //! trained and frozen parameters, in every thread order.
 
 use crate::common::tol::{compare, Tol, BF16, F32_PARAMS, F32_ROWS};
 use crate::common::uniform;
-use crate::{from_bytes, rounded, run, to_bytes, Failures, ORDERS};
+use crate::{cpu_tensor, from_bytes, rounded, run, to_bytes, values, Failures, ORDERS};
 use askgui_kernels::ops;
 use askgui_kernels::plan::norm::{backward, forward, Kind};
 use askgui_kernels::plan::{Caps, Elem};
-use candle_core::{Device, Tensor, Var};
+use candle_core::Var;
 
 const EPS: f64 = 1e-6;
 
 /// The CPU op's output and gradients of `sum(y * g)` for x, w (and b) on `x (rows, d)`.
-fn cpu(kind: Kind, x: &[f64], w: &[f64], b: &[f64], g: &[f64], (rows, d): (usize, usize)) -> Vec<Vec<f64>> {
-    let t = |v: &[f64], dims: &[usize]| {
-        Var::from_tensor(
-            &Tensor::from_vec(v.iter().map(|&a| a as f32).collect::<Vec<_>>(), dims, &Device::Cpu).unwrap(),
-        )
-        .unwrap()
-    };
+fn cpu(kind: Kind, x: &[f64], w: &[f64], b: &[f64], g: &[f64], (rows, d): (usize, usize), elem: Elem) -> Vec<Vec<f64>> {
+    let t = |v: &[f64], dims: &[usize]| Var::from_tensor(&cpu_tensor(v, dims, elem)).unwrap();
     let (xv, wv, bv) = (t(x, &[rows, d]), t(w, &[d]), t(b, &[d]));
     let y = match kind {
         Kind::Rms => ops::rms_norm(xv.as_tensor(), wv.as_tensor(), EPS),
@@ -27,8 +23,7 @@ fn cpu(kind: Kind, x: &[f64], w: &[f64], b: &[f64], g: &[f64], (rows, d): (usize
     .unwrap();
     let gt = t(g, &[rows, d]);
     let grads = (&y * gt.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
-    let flat =
-        |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f64::from).collect::<Vec<_>>();
+    let flat = values;
     let mut out = vec![flat(&y), flat(grads.get(xv.as_tensor()).unwrap()), flat(grads.get(wv.as_tensor()).unwrap())];
     if kind == Kind::Layer {
         out.push(flat(grads.get(bv.as_tensor()).unwrap()));
@@ -50,7 +45,7 @@ fn norms_forward_backward() {
                 let w = rounded(&uniform(d, n + 100), elem);
                 let b = rounded(&uniform(d, n + 200), elem);
                 let g = rounded(&uniform(rows * d, n + 300), elem);
-                let want = cpu(kind, &x, &w, &b, &g, (rows, d));
+                let want = cpu(kind, &x, &w, &b, &g, (rows, d), elem);
                 let (rows_tol, params_tol): (Tol, Tol) =
                     if elem == Elem::F32 { (F32_ROWS, F32_PARAMS) } else { (BF16, BF16) };
 
