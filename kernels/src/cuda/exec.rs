@@ -8,9 +8,9 @@
 
 use crate::cuda::ptx;
 use crate::plan::{Arg, Caps, Elem, Init, Module, Plan};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, Result};
 use half::bf16;

@@ -193,7 +193,7 @@ impl CustomOp3 for Rope {
         // The tables are stride-0 views of x's shape: the kernel reads them from their start offset, up to
         // the furthest element their strides reach.
         let reach = |l: &Layout| 1 + dims.iter().zip(l.stride()).map(|(&n, &s)| n.saturating_sub(1) * s).sum::<usize>();
-        let plan = plan::plan(dir, dims, (&l2.stride()[..], reach(l2)), (&l3.stride()[..], reach(l3)), elem)?;
+        let plan = plan::plan(dir, dims, (l2.stride(), reach(l2)), (l3.stride(), reach(l3)), elem)?;
         let ins = [gpu::input(name, "x", (s1, l1))?, (s2, l2.start_offset()), (s3, l3.start_offset())];
         Ok((gpu::single(name, gpu::run(&plan, &ins)?)?, l1.shape().clone()))
     }
