@@ -1,0 +1,63 @@
+//! How a token or an option is picked: softmax over log-probabilities, the greedy or sampled pick over
+//! options, the best allowed token, and one token's log-probability.
+//!
+//! Key choice: plain functions over slices on the host, seeded by the caller's [`StdRng`], so that an
+//! answer is a function of the request's seed.
+
+use rand::rngs::StdRng;
+use rand::Rng;
+
+/// Softmax of log-probabilities.
+pub(super) fn normalise(logp: &[f64]) -> Vec<f64> {
+    let m = logp.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = logp.iter().map(|l| (l - m).exp()).collect();
+    let s: f64 = e.iter().sum();
+    e.iter().map(|x| x / s).collect()
+}
+
+/// The most likely index (temperature 0) or a sample at `temperature`; `exclude` is never picked.
+pub(super) fn pick(probs: &[f64], temperature: f64, rng: &mut StdRng, exclude: Option<usize>) -> usize {
+    let w: Vec<f64> = probs
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| {
+            if Some(i) == exclude {
+                0.0
+            } else if temperature > 0.0 {
+                p.powf(1.0 / temperature)
+            } else {
+                p
+            }
+        })
+        .collect();
+    if temperature <= 0.0 {
+        return w.iter().enumerate().fold(0, |b, (i, &x)| if x > w[b] { i } else { b });
+    }
+    let total: f64 = w.iter().sum();
+    let mut r = rng.random::<f64>() * total;
+    for (i, &x) in w.iter().enumerate() {
+        if r < x {
+            return i;
+        }
+        r -= x;
+    }
+    w.iter().rposition(|&x| x > 0.0).unwrap_or(0)
+}
+
+/// The best-scoring token among those `allowed`, with its logit.
+pub(super) fn best(logits: &[f32], allowed: impl Fn(usize) -> bool) -> Option<(u32, f32)> {
+    let mut out: Option<(u32, f32)> = None;
+    for (i, &v) in logits.iter().enumerate() {
+        if allowed(i) && out.is_none_or(|(_, b)| v > b) {
+            out = Some((i as u32, v));
+        }
+    }
+    out
+}
+
+/// `log p(tok)` under the softmax of `logits`.
+pub(super) fn log_softmax_at(logits: &[f32], tok: u32) -> f64 {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let s: f64 = logits.iter().map(|&v| (v as f64 - m).exp()).sum();
+    logits[tok as usize] as f64 - m - s.ln()
+}
