@@ -8,7 +8,7 @@
 //! `--dump FILE` writes a safetensors file with `input_ids` [1, T], `pixel_values` [P, 1176] f32,
 //! `image_grid_thw` [1, 3], `logits` [T, V] f32 (every prompt position) and `generated_ids` [N], for
 //! comparing against another implementation. `--timings` prints one JSON line of phase timings to stderr
-//! (what `scripts/bench_generate.sh` reads). `--repeat N` runs the generation N more times after the first
+//! (what `scripts/bench/bench_generate.sh` reads). `--repeat N` runs the generation N more times after the first
 //! (a warm-up) and reports the medians; `--device cuda` (with `--features cuda`) runs on the first GPU.
 
 use std::collections::HashMap;

@@ -1,5 +1,6 @@
 //! LoRA training steps on a Qwen2.5-VL checkpoint, timed, with peak memory and the gradients kept: the
-//! measurement behind the README's memory table and the side-by-side with `scripts/bench_train_peft.py`.
+//! measurement behind docs/benchmarks.md's LoRA-step table and the side-by-side with
+//! `scripts/bench/bench_train_peft.py`.
 //!
 //! cargo run --release -p askgui-model --example lora_step -- --model DIR --path ops|composed
 //!     [--checkpointing] [--batch N] [--steps N] [--save-adapter DIR] [--inspect-gradstore]

@@ -4,7 +4,7 @@
 //! `Qwen2VLImageProcessor` ([`image`]), the vision tower ([`vision`]), the M-RoPE decoder with a KV cache
 //! ([`text`]), the model that joins them ([`model`]) and batched generation ([`generate`]). The crate knows
 //! nothing about GUI actions. Correctness is measured against Hugging Face transformers on tiny random
-//! checkpoints made by `scripts/make_fixtures.py` (see `tests/parity.rs`). PEFT-format LoRA adapters are
+//! checkpoints made by `scripts/fixtures/make_fixtures.py` (see `tests/parity.rs`). PEFT-format LoRA adapters are
 //! loaded, applied, merged and saved by [`lora`] (parity with PEFT in `tests/lora.rs`), and trained through
 //! [`train`] (loss and gradients against PEFT in `tests/lora_grad.rs`).
 

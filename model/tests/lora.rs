@@ -1,4 +1,4 @@
-//! LoRA adapters against PEFT (fixtures from `scripts/make_lora_fixtures.py`): loading both key layouts,
+//! LoRA adapters against PEFT (fixtures from `scripts/fixtures/make_lora_fixtures.py`): loading both key layouts,
 //! applied logits, several adapters held at once, merge / unmerge, save -> load, and clear errors for
 //! bad adapters.
 //!
@@ -55,7 +55,7 @@ fn check(what: &str, got: &Tensor, want: &Tensor) {
 }
 
 const REGENERATE_LORA: &str =
-    "regenerate with `python scripts/make_lora_fixtures.py` (needs torch, transformers, peft)";
+    "regenerate with `python scripts/fixtures/make_lora_fixtures.py` (needs torch, transformers, peft)";
 
 /// A scratch copy of a fixture adapter directory that a test may break.
 fn scratch(from: &str, tag: &str) -> PathBuf {

@@ -1,4 +1,4 @@
-//! Trainable LoRA against PyTorch + PEFT (fixtures from `scripts/make_lora_grad_fixtures.py`): every LoRA
+//! Trainable LoRA against PyTorch + PEFT (fixtures from `scripts/fixtures/make_lora_grad_fixtures.py`): every LoRA
 //! `Var` gets a gradient, no base weight does, loss and gradients match PEFT's, and optimiser steps change
 //! the adapter only.
 //!
@@ -16,7 +16,7 @@ use common::*;
 
 const TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
 const REGENERATE_GRAD: &str =
-    "regenerate with `python scripts/make_lora_grad_fixtures.py` (needs torch, transformers, peft)";
+    "regenerate with `python scripts/fixtures/make_lora_grad_fixtures.py` (needs torch, transformers, peft)";
 
 struct Case {
     model: Qwen2Vl,

@@ -1,5 +1,5 @@
 //! Parity with Hugging Face transformers on tiny random checkpoints (fixtures from
-//! `scripts/make_fixtures.py`): preprocessing, prompt ids, vision tower output, prompt logits, greedy
+//! `scripts/fixtures/make_fixtures.py`): preprocessing, prompt ids, vision tower output, prompt logits, greedy
 //! tokens, and batched generation against one-at-a-time generation.
 //!
 //! Tolerances (f32 on CPU): the model is compared at 1e-4 of the reference's largest magnitude, which

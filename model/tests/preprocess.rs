@@ -1,5 +1,5 @@
 //! Image preprocessing against transformers' `Qwen2VLImageProcessor` (fixtures from
-//! `scripts/make_fixtures.py`): `image_grid_thw` for many sizes, full `pixel_values` on small images,
+//! `scripts/fixtures/make_fixtures.py`): `image_grid_thw` for many sizes, full `pixel_values` on small images,
 //! and, when `../shared/data/screenagent-train-sample` is present, real desktop screenshots.
 //!
 //! Tolerance: 1e-5 absolute on normalised values (about 2e-6 of one uint8 step after normalisation is

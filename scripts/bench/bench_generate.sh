@@ -3,17 +3,17 @@
 # side by side with transformers (PyTorch, CPU), same random checkpoint, same machine, one run each
 # after one warm-up. Prints both JSON timing lines and the ratio.
 #
-#   scripts/bench_generate.sh PYTHON TOKENIZER_JSON IMAGE_1024x768 [THREADS]
+#   scripts/bench/bench_generate.sh PYTHON TOKENIZER_JSON IMAGE_1024x768 [THREADS]
 #
 # PYTHON is an interpreter with torch, transformers, torchvision, pillow, safetensors. TOKENIZER_JSON is the
 # real Qwen tokenizer (.ci/run fetches it into .cache/). The checkpoint (real vocabulary, tiny widths) is
 # written to target/bench-qwen2_5_vl and is not committed.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 py=${1:?python with transformers}; tok=${2:?tokenizer.json}; img=${3:?1024x768 image}; threads=${4:-$(nproc)}
 ckpt=target/bench-qwen2_5_vl
 prompt="Where should I click to open the settings?"
-[ -f "$ckpt/model.safetensors" ] || "$py" scripts/make_bench_checkpoint.py --out "$ckpt" --tokenizer "$tok"
+[ -f "$ckpt/model.safetensors" ] || "$py" scripts/fixtures/random_checkpoint.py --shape generate-bench --out "$ckpt" --tokenizer "$tok"
 cargo build --release -q -p askgui-model --example generate
 run_rust() {
   RAYON_NUM_THREADS=$threads target/release/examples/generate --model "$ckpt" --image "$img" --prompt "$prompt" \
@@ -21,7 +21,7 @@ run_rust() {
 }
 run_rust >/dev/null
 rust=$(run_rust)
-hf=$("$py" scripts/bench_transformers.py --model "$ckpt" --image "$img" --prompt "$prompt" --max-new-tokens 32 --threads "$threads" | tail -1)
+hf=$("$py" scripts/bench/bench_transformers.py --model "$ckpt" --image "$img" --prompt "$prompt" --max-new-tokens 32 --threads "$threads" | tail -1)
 echo "askgui-model: $rust"
 echo "transformers: $hf"
 "$py" - "$rust" "$hf" <<'PY'

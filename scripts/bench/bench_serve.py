@@ -28,7 +28,7 @@ latency for the same prompt size and answer budget, not identical work.
 
 Output: one JSON line on stdout; progress on stderr. Run with the venv that has torch + transformers:
 
-    python scripts/bench_serve.py [--requests 48] [--max-tokens 24] [--concurrency 1,16] \
+    python scripts/bench/bench_serve.py [--requests 48] [--max-tokens 24] [--concurrency 1,16] \
         [--width 640 --height 480] [--attn sdpa|eager] [--threads 2] \
         [--binary target/release/askgui-serve] [--model model/tests/fixtures/tiny-qwen2_5_vl] [--port PORT]
 
@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures"))  # make_fixtures
 
 import load_test_serve as lt  # noqa: E402  (server, HTTP, screenshot and percentile helpers)
 

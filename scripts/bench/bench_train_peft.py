@@ -20,8 +20,8 @@ shapes match, values do not. Prints one JSON line on stdout (logs go to stderr):
 time, tokens/s = batch * seq_len / median step time, peak RSS (ru_maxrss, which includes loading the
 model; VmHWM from /proc/self/status as well), RSS after loading, the first (warm-up) and last loss.
 
-    python scripts/make_train_bench_checkpoint.py --out target/train-bench-ckpt
-    python scripts/bench_train_peft.py --model target/train-bench-ckpt [--batch 1] [--steps 3] \
+    python scripts/fixtures/random_checkpoint.py --shape train-bench --out target/train-bench-ckpt
+    python scripts/bench/bench_train_peft.py --model target/train-bench-ckpt [--batch 1] [--steps 3] \
         [--threads N] [--attn eager|sdpa] [--gradient-checkpointing] [--lr 1e-4] \
         [--image-side 448] [--text-tokens 64]
 

@@ -4,19 +4,19 @@
 #
 # The fixed config: a synthetic world (askgui-data synth, 280x504 screens, kept unresized: 180 visual tokens
 # a sample), a random Qwen2.5-VL of decoder hidden 512 x 8 layers and vision 256 x 4 (the shape of the
-# model benchmark, scripts/make_train_bench_checkpoint.py) with the byte-level tokenizer, the compact system
+# model benchmark, random_checkpoint.py --shape train-bench) with the byte-level tokenizer, the compact system
 # prompt, LoRA r 16 / alpha 32 on the 7 projections, batch 4, lr 1e-4, f32; gradient checkpointing on both
 # sides or on neither (CKPT=1 / 0, default 0).
 # askgui-train's throughput comes from its metrics.jsonl (step 1 is the warm-up on both sides), its peak
 # RSS from /usr/bin/time; the batches are exported (train/examples/export_batches.rs) and replayed by
-# scripts/bench_trainer_peft.py.
+# scripts/bench/bench_trainer_peft.py.
 #
-#   scripts/bench_trainer.sh PYTHON [OUT_DIR] [STEPS] [THREADS]
+#   scripts/bench/bench_trainer.sh PYTHON [OUT_DIR] [STEPS] [THREADS]
 #     PYTHON   a Python with torch, transformers 5, peft, torchvision, pillow
 #     OUT_DIR  default target/bench-trainer;  STEPS default 10;  THREADS default: all cores
 set -euo pipefail
-cd "$(dirname "$0")/.."
-py=${1:?usage: scripts/bench_trainer.sh PYTHON [OUT_DIR] [STEPS] [THREADS]}
+cd "$(dirname "$0")/../.."
+py=${1:?usage: scripts/bench/bench_trainer.sh PYTHON [OUT_DIR] [STEPS] [THREADS]}
 out=${2:-target/bench-trainer}
 steps=${3:-10}
 ckpt=${CKPT:-0}
@@ -51,7 +51,7 @@ RAYON_NUM_THREADS=$threads /usr/bin/time -v -o "$out/askgui.time" \
   "$bin/askgui-train" "${args[@]}" --output-dir "$out/run" 2>"$out/askgui.log"
 "$bin/examples/export_batches" --steps "$steps" --out "$out/batches.jsonl" -- "${args[@]}" --output-dir "$out/export" \
   2>>"$out/askgui.log"
-"$py" scripts/bench_trainer_peft.py --model "$out/run/init-model" --batches "$out/batches.jsonl" \
+"$py" scripts/bench/bench_trainer_peft.py --model "$out/run/init-model" --batches "$out/batches.jsonl" \
   --min-pixels 3136 --max-pixels 401408 --rank 16 --lr 1e-4 --threads "$threads" --attn sdpa "${peft_ckpt[@]}" \
   >"$out/peft.json" 2>"$out/peft.log"
 

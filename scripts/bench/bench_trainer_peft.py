@@ -14,10 +14,10 @@ as /usr/bin/time reports for askgui-train). At step 1 both adapters are zero (B 
 the base model's on identical inputs and must equal askgui-train's: printed as a check that the two sides
 ran the same data through the same model.
 
-    python scripts/bench_trainer_peft.py --model RUN/init-model --batches batches.jsonl \
+    python scripts/bench/bench_trainer_peft.py --model RUN/init-model --batches batches.jsonl \
         --min-pixels 3136 --max-pixels 401408 [--rank 16] [--lr 1e-4] [--threads 2] [--attn sdpa]
 
-Prints one JSON line on stdout; `scripts/bench_trainer.sh` runs both sides and prints the ratios.
+Prints one JSON line on stdout; `scripts/bench/bench_trainer.sh` runs both sides and prints the ratios.
 Needs torch, transformers (5.x), peft, torchvision, pillow.
 """
 

@@ -6,7 +6,7 @@ text; default system prompt; generation prompt) with the Qwen2.5-VL chat templat
 times preprocessing (the processor call) and prefill + exactly --max-new-tokens greedy tokens.
 Prints one JSON line on stdout; everything else goes to stderr.
 
-    python scripts/bench_transformers.py --model DIR --image PATH --prompt TEXT \
+    python scripts/bench/bench_transformers.py --model DIR --image PATH --prompt TEXT \
         [--max-new-tokens 32] [--threads N] [--attn sdpa|eager]
 
 The image processor is Qwen2VLImageProcessor(min_pixels=56*56, max_pixels=28*28*1280) unless the
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures"))
 
 import make_fixtures as mf  # noqa: E402
 

@@ -19,7 +19,7 @@ Bounds: no new request starts after the deadline; requests in flight at the dead
 per-request timeout); a 429 whose retry would land past the deadline is abandoned; at most
 --max-requests attempts in all.
 
-    python scripts/load_test_serve.py [--clients 64] [--duration 30] [--max-tokens 32] \
+    python scripts/bench/load_test_serve.py [--clients 64] [--duration 30] [--max-tokens 32] \
         [--max-queue N] [--binary target/release/askgui-serve] \
         [--model model/tests/fixtures/tiny-qwen2_5_vl] [--port PORT] \
         [--timeout 120] [--max-requests 100000] [--screenshots 4] [--screenshot-size 320x240]
@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BINARY = REPO_ROOT / "target" / "release" / "askgui-serve"
 DEFAULT_MODEL = REPO_ROOT / "model" / "tests" / "fixtures" / "tiny-qwen2_5_vl"
 STEP_PATH = "/v1/agent/step"

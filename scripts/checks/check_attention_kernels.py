@@ -10,7 +10,7 @@ any mismatch. `--bench` then times the benchmark configs (kernels only, CUDA eve
 sdpa flash. The Rust GPU tests remain the tests of record (they also cover the launch code); this is the
 quick loop for kernel work on a GPU machine that has PyTorch and CuPy but no Rust (~20 s).
 
-    python3 scripts/check_attention_kernels.py [--bench] [--verbose]     # nvcc from $NVCC, PATH or /usr/local/cuda
+    python3 scripts/checks/check_attention_kernels.py [--bench] [--verbose]     # nvcc from $NVCC, PATH or /usr/local/cuda
 """
 import argparse, math, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -19,7 +19,7 @@ import cupy as cp
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--bench", action="store_true", help="also time the benchmark configs")
 ap.add_argument("--verbose", action="store_true", help="print every comparison, not only failures")

@@ -11,7 +11,7 @@ fixture's case. Not run by the tests (it needs torch, transformers 5 and peft):
 
     cargo run -p askgui-train -- merge --model model/tests/fixtures/tiny-qwen2_5_vl \\
         --adapter model/tests/fixtures/lora/tiny-qwen2_5_vl-peft --out /tmp/merged
-    python scripts/check_merged.py --merged /tmp/merged --base model/tests/fixtures/tiny-qwen2_5_vl \\
+    python scripts/checks/check_merged.py --merged /tmp/merged --base model/tests/fixtures/tiny-qwen2_5_vl \\
         --adapter model/tests/fixtures/lora/tiny-qwen2_5_vl-peft
 """
 
@@ -27,7 +27,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CASE = REPO_ROOT / "model/tests/fixtures/tiny-qwen2_5_vl/case.safetensors"
 
 

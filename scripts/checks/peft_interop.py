@@ -18,7 +18,7 @@ The examples run through `cargo run --release` (which builds them) unless --bin-
 prebuilt `generate` / `lora_step` binaries (e.g. target/release/examples). Prints one summary line per
 direction; exits non-zero when a direction fails.
 
-    python scripts/peft_interop.py [--model model/tests/fixtures/tiny-qwen2_5_vl] [--image PNG] \
+    python scripts/checks/peft_interop.py [--model model/tests/fixtures/tiny-qwen2_5_vl] [--image PNG] \
         [--cargo cargo | --bin-dir target/release/examples] [--direction both|1|2] [--keep]
 
 The checkpoint needs a tokenizer.json (generate renders a chat prompt). Needs torch, transformers (5.x),
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts" / "fixtures"))  # make_fixtures
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RTOL = 1e-4

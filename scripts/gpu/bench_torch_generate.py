@@ -2,7 +2,7 @@
 """Time next-action latency with transformers `generate` on a random Qwen2.5-VL-3B-shaped model on the
 GPU: the PyTorch side of the serving-latency benchmark.
 
-Model: random_qwen.py's 3B shape in bf16, attn_implementation sdpa (--attn), default dynamic KV cache, no
+Model: scripts/fixtures/random_checkpoint.py's 3b shape in bf16, attn_implementation sdpa (--attn), default dynamic KV cache, no
 LoRA. Prompt: the same sample as bench_torch_lora_step.py, all of it (one 1080x2400 random screenshot
 through the Qwen2-VL processor, min_pixels 256*28*28, max_pixels 1280*28*28: 1272 visual tokens, plus 200
 text tokens), or the one saved with --load-checkpoint DIR. Greedy decoding of exactly --new-tokens (32)
@@ -30,9 +30,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures"))
 
+import gui_sample as gs  # noqa: E402
 import image_processors as ip  # noqa: E402
-import random_qwen as rq  # noqa: E402
+import random_checkpoint as rc  # noqa: E402
 from timing import (  # noqa: E402
     allocated_bytes,
     emit,
@@ -125,19 +127,18 @@ def main() -> None:
     rec = dict(bench="generate", name=name, **env)
     with guarded(rec):
         if args.load_checkpoint:
-            model, build_s, how = rq.load(args.load_checkpoint, device, args.attn)
-            sample_tensors, sample = rq.load_sample(args.load_checkpoint, model, device)
-            rq.set_generation_ids(model, rq.is_tiny(model))
+            model, build_s, how = rc.load(args.load_checkpoint, device, args.attn)  # with its generation ids
+            sample_tensors, sample = gs.load_sample(args.load_checkpoint, model, device)
         else:
-            spec = dict(rq.SAMPLE_TINY if args.tiny else rq.SAMPLE_3B)
+            spec = dict(gs.SAMPLE_TINY if args.tiny else gs.SAMPLE_3B)
             spec.update({k: v for k, v in (("min_pixels", args.min_pixels), ("max_pixels", args.max_pixels)) if v})
-            model, build_s = rq.build(args.tiny, device, args.attn, args.seed)
+            model, build_s = rc.build("3b-tiny" if args.tiny else "3b", device, args.attn, args.seed)
             how = "random init on the device"
-            sample_tensors, sample = rq.make_sample(model, spec, device, args.seed)
+            sample_tensors, sample = gs.make_sample(model, spec, device, args.seed)
         model.eval()
         inputs = {k: sample_tensors[k] for k in ("input_ids", "attention_mask", "mm_token_type_ids",
                                                  "pixel_values", "image_grid_thw")}
-        log(f"model: {rq.n_params(model) / 1e9:.3f} B parameters, {how} in {build_s:.1f} s; prompt: "
+        log(f"model: {rc.n_params(model) / 1e9:.3f} B parameters, {how} in {build_s:.1f} s; prompt: "
             f"{sample['visual_tokens']} visual + {sample['text_tokens']} text tokens, grid {sample['image_grid_thw']}")
 
         # the processor's share of a real request: one screenshot, processed on the device

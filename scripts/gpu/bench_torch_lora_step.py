@@ -2,7 +2,7 @@
 """Time one LoRA training step of a random Qwen2.5-VL-3B-shaped model with transformers + PEFT on the GPU:
 the PyTorch side of the GPU training-step benchmark.
 
-Model: random_qwen.py's 3B shape in bf16, attn_implementation sdpa (--attn), gradient checkpointing on
+Model: scripts/fixtures/random_checkpoint.py's 3b shape in bf16, attn_implementation sdpa (--attn), gradient checkpointing on
 (non-reentrant; --no-gradient-checkpointing turns it off). Sample: one 1080x2400 random screenshot through
 the Qwen2-VL processor (min_pixels 256*28*28, max_pixels 1280*28*28 unless --min-pixels / --max-pixels:
 1272 visual tokens at the defaults) + 200 text tokens, loss on the last 50. Adapter: PEFT LoRA r 64,
@@ -36,8 +36,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures"))
 
-import random_qwen as rq  # noqa: E402
+import gui_sample as gs  # noqa: E402
+import random_checkpoint as rc  # noqa: E402
 from timing import (  # noqa: E402
     FAILED,
     WallClock,
@@ -91,7 +93,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def sample_spec(args) -> dict:
-    spec = dict(rq.SAMPLE_TINY if args.tiny else rq.SAMPLE_3B)
+    spec = dict(gs.SAMPLE_TINY if args.tiny else gs.SAMPLE_3B)
     if args.min_pixels is not None:
         spec["min_pixels"] = args.min_pixels
     if args.max_pixels is not None:
@@ -145,17 +147,18 @@ def main() -> None:
     rec = dict(bench="lora_step", name=name, **env)
     with guarded(rec):
         if args.load_checkpoint:
-            model, build_s, how = rq.load(args.load_checkpoint, device, args.attn)
-            inputs, sample = rq.load_sample(args.load_checkpoint, model, device)
+            model, build_s, how = rc.load(args.load_checkpoint, device, args.attn)
+            inputs, sample = gs.load_sample(args.load_checkpoint, model, device)
         else:
-            model, build_s = rq.build(args.tiny, device, args.attn, args.seed)
+            model, build_s = rc.build("3b-tiny" if args.tiny else "3b", device, args.attn, args.seed)
             how = "random init on the device"
-            inputs, sample = rq.make_sample(model, sample_spec(args), device, args.seed)
-        log(f"model: {rq.n_params(model) / 1e9:.3f} B parameters, {how} in {build_s:.1f} s; sample: "
+            inputs, sample = gs.make_sample(model, sample_spec(args), device, args.seed)
+        log(f"model: {rc.n_params(model) / 1e9:.3f} B parameters, {how} in {build_s:.1f} s; sample: "
             f"{sample['visual_tokens']} visual + {sample['text_tokens']} text tokens, grid {sample['image_grid_thw']}")
         save_s = None
         if args.save_checkpoint:
-            save_s = rq.save(model, args.save_checkpoint, inputs, sample)
+            save_s = rc.save(model, args.save_checkpoint, sample["min_pixels"], sample["max_pixels"])
+            save_s += gs.save_sample(args.save_checkpoint, inputs, sample)
             log(f"saved base model and sample to {args.save_checkpoint} in {save_s:.1f} s")
 
         model.config.use_cache = False
@@ -201,7 +204,7 @@ def main() -> None:
             image_grid_thw=sample["image_grid_thw"],
             pixel_values_shape=sample["pixel_values_shape"],
             sample=sample,
-            base_params=rq.n_params(model.get_base_model()) - sum(p.numel() for p in params),
+            base_params=rc.n_params(model.get_base_model()) - sum(p.numel() for p in params),
             base_dtype="bfloat16",
             attn=args.attn,
             gradient_checkpointing=not args.no_gradient_checkpointing,

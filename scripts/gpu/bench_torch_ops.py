@@ -12,7 +12,7 @@ only, and backward is seeded with ones (a scalar loss for the cross-entropy).
 Usage (GPU machine, from the repository root):
     python3 scripts/gpu/bench_torch_ops.py > "$OUT/ops.jsonl"
 CPU smoke test (tiny shapes):
-    /root/ref/venv/bin/python scripts/gpu/bench_torch_ops.py --tiny --device cpu
+    python scripts/gpu/bench_torch_ops.py --tiny --device cpu
 """
 
 import argparse

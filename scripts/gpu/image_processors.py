@@ -7,7 +7,7 @@ PIL / numpy one and `Qwen2VLImageProcessorFast` the torchvision one; in 5.x (che
 its bases (`TorchvisionBackend` / `BaseImageProcessorFast` versus `PilBackend` / a plain
 `BaseImageProcessor`), and a missing one (e.g. torchvision not installed) is reported, not fatal.
 
-Not run directly; imported by bench_torch_tiling.py and random_qwen.py.
+Not run directly; imported by bench_torch_tiling.py, bench_torch_generate.py and gui_sample.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 //! Writes the batches a training run takes, so that another trainer can be timed on the very same data
-//! (`scripts/bench_trainer_peft.py`, transformers + PEFT): one JSON line per optimiser step,
+//! (`scripts/bench/bench_trainer_peft.py`, transformers + PEFT): one JSON line per optimiser step,
 //! `{"step": k, "samples": [{"ids": [..], "labels_mask": [..], "images": [abs path, ..], "grids": [[t, h, w], ..]}, ..]}`.
 //!
 //!     cargo run --release -p askgui-train --example export_batches -- --steps 20 --out batches.jsonl \

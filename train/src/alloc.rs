@@ -5,7 +5,7 @@
 //! heap, so each step faults its buffers in again and the kernel zeroes every page: about a quarter of a
 //! step's time under `perf` (issue 4's benchmark). Keeping freed memory in the process (the mmap threshold
 //! at glibc's maximum, no trimming, a padded heap top) makes the steps faster at the same peak RSS, since
-//! the peak is what a step holds anyway (numbers in the README's Benchmark section).
+//! the peak is what a step holds anyway (numbers in docs/benchmarks.md).
 //!
 //! The user's own `MALLOC_*_` / `GLIBC_TUNABLES` settings win: nothing is changed when one is set.
 

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 
-/// The fixture format these tests read; bump together with scripts/make_fixtures.py.
+/// The fixture format these tests read; bump together with scripts/fixtures/make_fixtures.py.
 pub const FIXTURE_VERSION: u64 = 1;
-pub const REGENERATE: &str =
-    "regenerate with `python scripts/make_fixtures.py` (needs torch, transformers, torchvision, pillow, safetensors)";
+pub const REGENERATE: &str = "regenerate with `python scripts/fixtures/make_fixtures.py` \
+    (needs torch, transformers, torchvision, pillow, safetensors)";
 
 pub fn fixtures() -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
