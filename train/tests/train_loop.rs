@@ -515,3 +515,25 @@ fn reference_kernels_train_as_the_askgui_kernels_do() {
         assert!((a - b).abs() <= 1e-4 * a.abs(), "{ours:?} vs {reference:?}");
     }
 }
+
+/// `--dtype bf16` trains on the CPU (bf16 weights and activations, f32 LoRA masters, the loss in f32)
+/// and follows the f32 run: three steps' losses within 2% (bf16 keeps 8 significant bits, so each
+/// rounding moves a value by up to 2^-9 relative; about 150 roundings between the input and the loss add
+/// up to a few tenths of a percent, and a wrong cast or a lost master would move the loss by far more).
+#[test]
+fn bf16_trains_on_the_cpu_like_f32() {
+    let dir = scratch("bf16");
+    let data = episodes(&dir, 1);
+    let common = "--lr 5e-3 --warmup-steps 0 --max-steps 3 --lora-dropout 0 --save-checkpoints false --lora-rank 4 \
+        --device cpu";
+    let run = |dtype: &str| -> Vec<f64> {
+        let cfg = config(&data, &dir.join(dtype), &format!("{common} --dtype {dtype}"));
+        askgui_train::train(&cfg, &none()).unwrap().steps.iter().map(|s| s.loss).collect()
+    };
+    let (f32_losses, bf16_losses) = (run("f32"), run("bf16"));
+    eprintln!("f32 {f32_losses:?}\nbf16 {bf16_losses:?}");
+    assert_eq!(bf16_losses.len(), 3);
+    for (a, b) in f32_losses.iter().zip(&bf16_losses) {
+        assert!(b.is_finite() && (a - b).abs() <= 0.02 * a.abs(), "{f32_losses:?} vs {bf16_losses:?}");
+    }
+}
