@@ -354,3 +354,18 @@ fn over_long_prompts_are_refused() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `--dtype bf16` on the CPU: a bf16 model answers a step that parses, and its `ask_probability` follows
+/// the f32 model's. Tolerance 0.05: bf16 moves the tiny model's logits by about 2e-2 (8 significant
+/// bits), and a probability over the 15 names moves by at most that much times p(1 - p) <= 1/4 per logit.
+#[test]
+fn a_bf16_model_serves_on_the_cpu() -> anyhow::Result<()> {
+    let job = step_job("Open the settings and turn on dark mode", StepOptions::default());
+    let want = backend(false)?.step(&job, NEVER)?.ask_probability.expect("ask_probability");
+    let model = Qwen2Vl::load(checkpoint().to_str().unwrap(), &Device::Cpu, DType::BF16)?;
+    let r = ModelBackend::from_model(model, "tiny-bf16")?.step(&job, NEVER)?;
+    let got = r.ask_probability.expect("ask_probability");
+    eprintln!("ask_probability f32 {want:.5}, bf16 {got:.5}; bf16 action {:?}", r.action);
+    assert!((got - want).abs() < 0.05, "bf16 {got} against f32 {want}");
+    Ok(())
+}
