@@ -26,11 +26,11 @@ use askgui_data::frame::FrameKind;
 use askgui_data::prompt::{render_chatml, step_messages, PromptConfig, StepContext, SystemPrompt, IM_END};
 use askgui_model::{preprocess, ImageProcessorConfig, ModelConfig, ProcessedImage, Qwen2Vl, QwenTokenizer};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 use super::cache::ByteCache;
 use super::model_err;
-use super::sampling::{best, normalise, pick};
+use super::sampling::{best, normalise, pick, weighted_pick};
 use super::DEFAULT_PREFIX_CACHE_BYTES;
 use crate::backend::{BackendError, BackendInfo, ImageInput, Job, JobKind, JobOutput, StepJob};
 use crate::batcher::Client;
@@ -304,15 +304,10 @@ impl Decoding<'_> {
             .enumerate()
             .map(|(i, &v)| if allowed(i) { (((v - m) as f64) / self.temperature).exp() } else { 0.0 })
             .collect();
-        let total: f64 = w.iter().sum();
-        let mut r = self.rng.random::<f64>() * total;
-        for (i, &x) in w.iter().enumerate() {
-            if r < x {
-                return i as u32;
-            }
-            r -= x;
+        match weighted_pick(&w, &mut self.rng) {
+            Some(i) => i as u32,
+            None => best(l, allowed).map(|(t, _)| t).unwrap_or(0),
         }
-        best(l, allowed).map(|(t, _)| t).unwrap_or(0)
     }
 
     /// The next token by temperature and nucleus (`top_p`) sampling.

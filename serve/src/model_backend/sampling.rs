@@ -33,15 +33,22 @@ pub(super) fn pick(probs: &[f64], temperature: f64, rng: &mut StdRng, exclude: O
     if temperature <= 0.0 {
         return w.iter().enumerate().fold(0, |b, (i, &x)| if x > w[b] { i } else { b });
     }
+    weighted_pick(&w, rng).unwrap_or_else(|| w.iter().rposition(|&x| x > 0.0).unwrap_or(0))
+}
+
+/// Index `i` with probability `w[i] / sum(w)` (weights need not sum to one), from one
+/// `rng.random::<f64>()`. `None` when the draw runs past the last weight (rounding, or a total that is
+/// zero or not finite): each caller keeps its own fallback.
+pub(super) fn weighted_pick(w: &[f64], rng: &mut StdRng) -> Option<usize> {
     let total: f64 = w.iter().sum();
     let mut r = rng.random::<f64>() * total;
     for (i, &x) in w.iter().enumerate() {
         if r < x {
-            return i;
+            return Some(i);
         }
         r -= x;
     }
-    w.iter().rposition(|&x| x > 0.0).unwrap_or(0)
+    None
 }
 
 /// The best-scoring token among those `allowed`, with its logit.
@@ -60,4 +67,35 @@ pub(super) fn log_softmax_at(logits: &[f32], tok: u32) -> f64 {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let s: f64 = logits.iter().map(|&v| (v as f64 - m).exp()).sum();
     logits[tok as usize] as f64 - m - s.ln()
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+
+    use super::*;
+
+    #[test]
+    fn weighted_pick_never_picks_a_zero_weight_and_follows_the_weights() {
+        let w = [0.0, 3.0, 0.0, 1.0, 0.0];
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut counts = [0usize; 5];
+        for _ in 0..4000 {
+            counts[weighted_pick(&w, &mut rng).expect("a positive total")] += 1;
+        }
+        assert_eq!(counts[0] + counts[2] + counts[4], 0, "{counts:?}");
+        // 3:1 within a loose margin (4000 draws: the 1/4 share's standard deviation is about 0.007).
+        let share = counts[3] as f64 / 4000.0;
+        assert!((share - 0.25).abs() < 0.04, "{counts:?}");
+    }
+
+    #[test]
+    fn weighted_pick_takes_one_draw_and_leaves_the_fallback_to_the_caller() {
+        let (mut a, mut b) = (StdRng::seed_from_u64(3), StdRng::seed_from_u64(3));
+        assert_eq!(weighted_pick(&[0.0, 0.0], &mut a), None);
+        b.random::<f64>();
+        assert_eq!(a.random::<u64>(), b.random::<u64>(), "exactly one draw per pick");
+        // Every weight excluded: `pick` falls back to the last positive weight, here none, so index 0.
+        assert_eq!(pick(&[1.0], 0.7, &mut a, Some(0)), 0);
+    }
 }
