@@ -13,8 +13,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendInfo, JobKind, JobOutput, StepJob};
 use crate::error::HttpError;
-use crate::server::AppState;
 use crate::sessions::SessionError;
+use crate::state::AppState;
 
 /// The longest side of a screen the server accepts (larger is a client bug, not a screen).
 const MAX_SCREEN_SIDE: u32 = 1 << 16;

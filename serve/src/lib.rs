@@ -1,11 +1,11 @@
 //! askgui-serve: the next GUI action over HTTP.
 //!
-//! Layers (ARCHITECTURE.md, "Serving"): actix-web handlers ([`agent_routes`], [`openai`], [`server`]) ->
-//! the engine ([`engine`]: a bounded queue and one backend thread) -> a [`backend::Backend`] that owns the
-//! model ([`model_backend::ModelBackend`]; [`stub::StubBackend`] in tests). Handlers parse and check
-//! requests and decode images ([`images`]); they never touch tensors. The model backend batches
-//! concurrent jobs continuously ([`batcher`]) and reuses prompt prefixes ([`prefix_cache`]). Errors map to statuses in
-//! [`error`]; sessions live in [`sessions`]; Prometheus metrics in [`metrics`].
+//! Layers (ARCHITECTURE.md, "Serving"): actix-web handlers ([`agent_routes`], [`openai`], [`server`]; what
+//! they share is [`state::AppState`]) -> the engine ([`engine`]: a bounded queue and one backend thread) -> a
+//! [`backend::Backend`] that owns the model ([`model_backend::ModelBackend`]; [`stub::StubBackend`] in tests).
+//! Handlers parse and check requests and decode images ([`images`]); they never touch tensors. The model
+//! backend batches concurrent jobs continuously ([`batcher`]) and reuses prompt prefixes ([`prefix_cache`]).
+//! Errors map to statuses in [`error`]; sessions live in [`sessions`]; Prometheus metrics in [`metrics`].
 //!
 //! To run a server on a free port with some backend (what the tests do):
 //!
@@ -32,6 +32,7 @@ pub mod predict;
 pub mod prefix_cache;
 pub mod server;
 pub mod sessions;
+pub mod state;
 pub mod stub;
 
 pub use config::{Cli, Command, Config, PredictArgs};

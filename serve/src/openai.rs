@@ -23,7 +23,7 @@ use crate::backend::{
 };
 use crate::engine::{CallError, CancelGuard};
 use crate::error::HttpError;
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// The most stop strings a request may give (OpenAI allows 4).
 const MAX_STOP: usize = 16;

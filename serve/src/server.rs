@@ -9,7 +9,7 @@
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{Server, ServiceRequest, ServiceResponse};
@@ -20,30 +20,11 @@ use actix_web::{web, App, HttpResponse, HttpServer, ResponseError};
 use serde_json::json;
 
 use crate::config::Config;
-use crate::engine::{BackendFactory, Engine, LoadState};
+use crate::engine::{BackendFactory, LoadState};
 use crate::error::HttpError;
-use crate::metrics::{Gauges, Metrics};
-use crate::sessions::SessionStore;
+use crate::metrics::Gauges;
+pub use crate::state::AppState;
 use crate::{agent_routes, openai};
-
-/// What every handler shares.
-pub struct AppState {
-    pub engine: Engine,
-    pub sessions: SessionStore,
-    pub config: Config,
-    /// Unix seconds when the server started.
-    pub started: u64,
-}
-
-impl AppState {
-    pub fn new(config: Config, factory: BackendFactory) -> Self {
-        let metrics = Arc::new(Metrics::default());
-        let engine = Engine::start(factory, config.max_queue as usize, config.max_batch as usize, metrics);
-        let sessions = SessionStore::new(Duration::from_secs(config.session_ttl), config.max_sessions);
-        let started = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        Self { engine, sessions, config, started }
-    }
-}
 
 /// Compares without an early exit on the first differing byte, so the time taken says nothing about how
 /// much of a guessed key was right (a length mismatch is still told apart, as in most such compares).
