@@ -1,56 +1,16 @@
 //! `askgui-train demo`: the whole story on a CPU with nothing downloaded.
 //!
-//! Stages, each timed: (1) a synthetic GUI world (askgui-data's `synth`: four phone apps and two decoys,
-//! 60% of the tasks ambiguous with the question and the user's answer, screens of 168x308 that the
-//! processor keeps unresized, each option with a colour badge that identifies it and a colour per slot,
-//! on the model's 28-pixel grid); (2) a byte-level BPE tokenizer learned on the training prompts
-//! ([`crate::bpe`]); (3) the base agent, trained from scratch (`--init-config` with the small
-//! [`crate::init::DEMO_CONFIG`] model and `--init-tokenizer`, `--mode full`) on the full tasks, with
-//! grounding practice (each step alone with its instruction) and the dialogues' words (each annotated
-//! question and answer as plain text) mixed in, and the region loss (below); (4) a LoRA adapter on the Navi-plus mix (the ambiguous
-//! task with ASK/SAY turns where there is one, else the full task; asks four times and the steps that act
-//! on the answer five times; every episode again with its full task); (5) evaluation on the test split with
-//! askgui-eval: the base agent on the original and the incomplete tasks and on the original tasks with
-//! blank screenshots (does the screen matter?), the LoRA+ASK agent on the original tasks, standard
-//! (+ASK), Dual-Stream and strict (Morae) modes, the two agents side by side, each behind a
-//! [`MemoAgent`] (modes share many identical steps); (6) `report.json` (stable keys, see
-//! [`DemoReport`]) and `report.md` (Navi-plus Table 1 plus the checks against the demo's targets, each
-//! marked met or not; nothing is claimed that was not measured), and the command that serves the result.
+//! Stages, each timed: a synthetic GUI world (askgui-data's `synth`, 60% of the tasks ambiguous, screens on
+//! the model's 28-pixel grid); a byte-level BPE tokenizer learned on its prompts ([`crate::bpe`]); a base agent
+//! trained from scratch ([`crate::init::DEMO_CONFIG`], `--mode full`) on the full tasks; a LoRA adapter on the
+//! Navi-plus mix; askgui-eval on the test split (base and LoRA+ASK agents; original, incomplete, blank-screen,
+//! standard, Dual-Stream and strict runs, each behind a [`MemoAgent`]); `report.json` ([`DemoReport`], stable
+//! keys) and `report.md`, with every target checked and none claimed.
 //!
-//! Both agents use the compact system prompt ([`SystemPrompt::Compact`]): with it and the learned
-//! tokenizer a sample is ~186 tokens (66 of them visual) instead of ~1,215.
-//!
-//! Why the language mix: a model trained from scratch on actions alone never emits the tokens only a
-//! question uses, and Adam drives their tied embeddings along one shared direction (pairwise cosine
-//! above 0.9 after 1,000 steps) until a LoRA adapter, which cannot touch embeddings, cannot tell them
-//! apart: its loss stayed above 2 per token and it never asked. With the dialogues' words in the base
-//! training, the same LoRA run ends below 0.2 and asks.
-//!
-//! Why the region loss (`--region-weight`, askgui-train's `--region-weight` with `--region-layer 1`): each
-//! screen token inside a listed element predicts one of the element's words, and the tokens of the
-//! element the step's action clicks predict the action's name, read from the first decoder layer. Without
-//! it the base agent never learnt to pick an option by the task's words: a fresh model attends nearly
-//! uniformly, and every screen shows every slot colour, so the image averages to the same features on
-//! every screen; the readout (slot colour to coordinates) gets no signal and the selection (task words to
-//! badge) has nothing to select with. On the home screen alone (one of 6 shuffled icons to tap) every
-//! variant tried stayed at chance (0.163 after 400 steps: learning rates, batch 128, more heads, curricula,
-//! screen reading, instruction-first targets; the README has the table). The screenshot comes after the
-//! task in the prompt, so a screen token can read the task; the region loss makes it say whether the task
-//! is about it. Read from the last layer, the screen tokens learnt it (loss 0.001 on held-out screens) and
-//! the agent stayed at chance: no later layer was left to use it. Read from the first layer: 0.479 after
-//! 400 steps, and in the whole demo base SSR 0.856 after 2,000 steps (0.564 after 1,200: the loss falls
-//! steeply between steps 1,100 and 1,400).
-//!
-//! Status (default run, 282 test episodes, 805 s on a 2-core CPU): all seven checks are met. Base SSR
-//! 0.895 (SR 0.507), incomplete SR 0.284, blank screens 0.310; the LoRA+ASK agent under Dual-Stream SSR
-//! 0.895 and SR 0.550, strict ASK F1 0.942 with FPR 0.014 (one needless ask in 110 full tasks). Acting on
-//! the user's answer at the asked step is still its weakest step (136 of 189). What got it there: the
-//! prompt lists the question and the answer before the screenshot (`askgui_data::prompt`), so the region
-//! loss marks the answer's option; the LoRA mix holds four copies of each ask, five of each step that
-//! acts on the answer (`--say-repeat`) and every episode again with its full task (`--lora-extra full`),
-//! over 750 steps; the evaluation folds the adapter into the weights and the binaries pin candle's
-//! thread count ([`askgui_model::pin_cpu_threads`]), which took the evaluation from 141 s to 32 s.
-//! With `--seed 1` (one run) five of the seven are met: base SSR 0.798 and the strict FPR 0.113 are not.
+//! The key choice: a model trained from scratch learns to pick an option by the task's words only with the
+//! region loss read from its first decoder layer, and keeps a question's tokens apart only with the dialogues'
+//! words in its base training. Both agents use the compact system prompt ([`SystemPrompt::Compact`]).
+//! What the demo measured, the probes behind these choices and the sweeps behind its defaults: `docs/demo.md`.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
