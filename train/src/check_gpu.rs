@@ -33,8 +33,15 @@ pub fn check_gpu(args: &CheckGpuArgs) -> Result<Vec<CheckRow>> {
     Ok(selfcheck::check_all(&device))
 }
 
-/// Parses `argv` (`check-gpu` first), runs the checks and prints the table on stdout; returns whether
-/// every check passed (an unsupported dtype is not a failure).
+/// Runs the checks and prints the table on stdout; returns whether every check passed (an unsupported
+/// dtype is not a failure).
+pub fn run(args: &CheckGpuArgs) -> Result<bool> {
+    let rows = check_gpu(args)?;
+    print!("{}", selfcheck::table(&rows));
+    Ok(selfcheck::all_passed(&rows))
+}
+
+/// Parses `argv` (`check-gpu` first) and [`run`]s.
 pub fn run_cli<I, T>(argv: I) -> Result<bool>
 where
     I: IntoIterator<Item = T>,
@@ -43,7 +50,5 @@ where
     let cli = |e| TrainError::Cli(Box::new(e));
     // The usage line names the subcommand as it is typed, not argv[0] (`check-gpu`).
     let matches = CheckGpuArgs::command().bin_name("askgui-train check-gpu").try_get_matches_from(argv).map_err(cli)?;
-    let rows = check_gpu(&CheckGpuArgs::from_arg_matches(&matches).map_err(cli)?)?;
-    print!("{}", selfcheck::table(&rows));
-    Ok(selfcheck::all_passed(&rows))
+    run(&CheckGpuArgs::from_arg_matches(&matches).map_err(cli)?)
 }

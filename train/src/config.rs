@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use askgui_data::{FrameKind, SystemPrompt, TaskMode};
 use clap::parser::ValueSource;
-use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, ValueEnum};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -290,10 +290,16 @@ pub struct TrainConfig {
     pub run: RunArgs,
 }
 
-/// The command line: the config's flags plus what only makes sense for one invocation.
+/// The command line: the config's flags plus what only makes sense for one invocation, or a subcommand.
 #[derive(Parser, Debug)]
-#[command(name = "askgui-train", about = "Fine-tune a Qwen2.5-VL / Qwen2-VL GUI agent on askgui episodes")]
+#[command(
+    name = "askgui-train",
+    about = "Fine-tune a Qwen2.5-VL / Qwen2-VL GUI agent on askgui episodes (without a subcommand: train)",
+    args_conflicts_with_subcommands = true
+)]
 pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// A TOML file with the same options, grouped as in the saved config.toml; flags override it.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -309,6 +315,17 @@ pub struct Cli {
     pub stop_after: Option<usize>,
     #[command(flatten)]
     pub cfg: TrainConfig,
+}
+
+/// The tools besides training; each takes its own flags.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Fold a LoRA adapter into its base checkpoint and write a plain Hugging Face checkpoint.
+    Merge(crate::merge::MergeArgs),
+    /// Synthetic world -> base agent from scratch -> LoRA+ASK -> eval, on the CPU with nothing downloaded.
+    Demo(crate::demo::DemoArgs),
+    /// Check every kernel against its plain-candle reference on this device; exits non-zero if one fails.
+    CheckGpu(crate::check_gpu::CheckGpuArgs),
 }
 
 /// What one invocation adds to the config: where it continues from and where it stops.
@@ -399,7 +416,7 @@ pub fn resolve(layers: &[(String, Value)]) -> Result<TrainConfig> {
     Ok(cfg)
 }
 
-/// Parses `argv` as the binary does and resolves the layers (reading the files it names).
+/// Parses a training command line (`argv` as the binary gets it, no subcommand) and resolves the layers.
 pub fn from_args<I, T>(argv: I) -> Result<(TrainConfig, RunControl)>
 where
     I: IntoIterator<Item = T>,
@@ -407,6 +424,15 @@ where
 {
     let matches = Cli::command().try_get_matches_from(argv).map_err(|e| TrainError::Cli(Box::new(e)))?;
     let cli = Cli::from_arg_matches(&matches).map_err(|e| TrainError::Cli(Box::new(e)))?;
+    if cli.command.is_some() {
+        return Err(TrainError::Config("a subcommand was given where a training command line was expected".into()));
+    }
+    from_matches(&cli, &matches)
+}
+
+/// The training config of a parsed command line: the layers resolved, reading the files it names.
+/// `matches` are the ones `cli` was parsed from (they say which flags were given).
+pub fn from_matches(cli: &Cli, matches: &ArgMatches) -> Result<(TrainConfig, RunControl)> {
     let mut layers = Vec::new();
     if let Some(p) = cli.preset {
         layers.push((format!("--preset {}", p.to_possible_value().expect("named").get_name()), preset_layer(p)));
@@ -419,8 +445,8 @@ where
     if let Some(path) = &cli.config {
         layers.push((path.display().to_string(), file_layer(path)?));
     }
-    layers.push(("command line".into(), cli_layer(&cli.cfg, &matches)));
-    Ok((resolve(&layers)?, RunControl { resume: cli.resume, stop_after: cli.stop_after }))
+    layers.push(("command line".into(), cli_layer(&cli.cfg, matches)));
+    Ok((resolve(&layers)?, RunControl { resume: cli.resume.clone(), stop_after: cli.stop_after }))
 }
 
 impl TrainConfig {

@@ -1,5 +1,5 @@
 //! `askgui-train`: parses the command line (and `--config`, `--preset`, `--resume`'s saved config) and
-//! runs the training loop; everything else is in the library.
+//! runs the training loop, or one of the subcommands; everything else is in the library.
 //!
 //! A tiny CPU run on the test fixture:
 //! `askgui-train --model model/tests/fixtures/tiny-qwen2_5_vl --data DIR/train.jsonl --max-pixels 12544 --lr 1e-2`
@@ -10,16 +10,11 @@
 //! `askgui-train check-gpu [--device cuda]` checks every kernel against its reference on the device and
 //! exits non-zero if one disagrees ([`askgui_train::check_gpu`]).
 
-use anyhow::Result;
-use clap::Parser;
+use std::io::IsTerminal;
 
-/// `askgui-train demo`: its own command line.
-#[derive(Parser)]
-#[command(name = "askgui-train demo", about = "Synthetic world -> base agent from scratch -> LoRA+ASK -> eval")]
-struct DemoCli {
-    #[command(flatten)]
-    args: askgui_train::demo::DemoArgs,
-}
+use anyhow::Result;
+use askgui_train::config::{Cli, Command};
+use clap::{CommandFactory, FromArgMatches};
 
 fn main() -> Result<()> {
     askgui_model::pin_cpu_threads();
@@ -29,37 +24,36 @@ fn main() -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     askgui_train::alloc::tune_for_training();
-    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    if argv.get(1).is_some_and(|a| a == "merge") {
-        match askgui_train::merge::run_cli(argv.into_iter().skip(1)) {
-            Err(askgui_train::TrainError::Cli(e)) => e.exit(),
-            r => return r.map(|_| ()).map_err(Into::into),
+    // The matches are kept: the config's layers need to know which flags were given.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    match &cli.command {
+        Some(Command::Merge(args)) => {
+            askgui_train::merge::merge(args)?;
         }
-    }
-    if argv.get(1).is_some_and(|a| a == "check-gpu") {
-        match askgui_train::check_gpu::run_cli(argv.into_iter().skip(1)) {
-            Err(askgui_train::TrainError::Cli(e)) => e.exit(),
-            Ok(true) => return Ok(()),
-            Ok(false) => anyhow::bail!(
-                "check-gpu: a kernel disagrees with its reference (the FAIL rows above); train and serve with \
-                 `--kernels reference` until it is fixed"
-            ),
-            Err(e) => return Err(e.into()),
+        Some(Command::Demo(args)) => {
+            let report = askgui_train::demo::run(args)?;
+            print!("{}", askgui_train::demo::markdown(&report));
         }
+        Some(Command::CheckGpu(args)) => {
+            if !askgui_train::check_gpu::run(args)? {
+                anyhow::bail!(
+                    "check-gpu: a kernel disagrees with its reference (the FAIL rows above); train and serve with \
+                     `--kernels reference` until it is fixed"
+                );
+            }
+        }
+        None => train(&cli, &matches)?,
     }
-    if argv.get(1).is_some_and(|a| a == "demo") {
-        let cli = DemoCli::parse_from(argv.into_iter().skip(1));
-        let report = askgui_train::demo::run(&cli.args)?;
-        print!("{}", askgui_train::demo::markdown(&report));
-        return Ok(());
-    }
-    let (cfg, control) = match askgui_train::config::from_args(argv) {
-        Ok(c) => c,
-        Err(askgui_train::TrainError::Cli(e)) => e.exit(),
-        Err(e) => return Err(e.into()),
-    };
+    Ok(())
+}
+
+/// The training run of a command line without a subcommand.
+fn train(cli: &Cli, matches: &clap::ArgMatches) -> Result<()> {
+    let (cfg, control) = askgui_train::config::from_matches(cli, matches)?;
     let summary = askgui_train::train(&cfg, &control)?;
     let last = summary.steps.last();
     tracing::info!(
