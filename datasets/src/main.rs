@@ -1,6 +1,7 @@
 //! `askgui-data`: the data tools on the command line. Each subcommand parses its arguments and calls one
 //! library function; see `askgui-data help <command>`.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -65,6 +66,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match run(Cli::parse()) {
         Ok(code) => code,

@@ -1,6 +1,7 @@
 //! askgui-eval: evaluates a GUI agent over an episode file (standard, Dual-Stream, strict) and scores
 //! ASK questions. Thin: parses arguments and calls the library; errors are one line on stderr, exit 2.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -83,6 +84,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,6 +3,8 @@
 //! The one thing decided here is which backend to load: [`load_backend`] builds it from the settings, on
 //! the backend thread for the server and directly for `predict`.
 
+use std::io::IsTerminal;
+
 use anyhow::Context;
 use askgui_serve::backend::Backend;
 use askgui_serve::model_backend::{ModelBackend, ModelBackendConfig};
@@ -32,6 +34,7 @@ fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,actix_server=warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     match cli.command {
