@@ -153,6 +153,16 @@ fn mask_args(op: &str, plan: &mut Plan, p: &Problem) -> Result<MaskArgs, PlanErr
     Ok(MaskArgs { kind, cu: cu_buf, nseg, keep: keep_buf, has_keep })
 }
 
+/// The arguments every attention kernel ends with: `keep, cu, nseg, [nb,] hq, hkv, tq, tk, d, mask,
+/// has_keep, scale` (the backward also takes the batch `nb`).
+fn mask_and_sizes(g: &Geometry, m: &MaskArgs, scale: f64, nb: Option<i32>) -> Vec<Arg> {
+    let mut args = vec![buf(m.keep), buf(m.cu), Arg::I32(m.nseg)];
+    args.extend(nb.map(Arg::I32));
+    args.extend([g.hq, g.hkv, g.tq, g.tk, g.d, m.kind, m.has_keep].map(Arg::I32));
+    args.push(Arg::F32(scale as f32));
+    args
+}
+
 fn buf(b: usize) -> Arg {
     Arg::Buf { buf: b, offset: 0 }
 }
@@ -176,41 +186,17 @@ fn add_forward(
     } else {
         (Module::Attention, format!("attention_fwd_{sfx}_{}", g.dp), fwd_smem(g.dp), THREADS)
     };
-    let args = vec![
-        buf(q),
-        Arg::I32(q_stride),
-        buf(k),
-        buf(v),
-        buf(out),
-        buf(lse),
-        buf(m.keep),
-        buf(m.cu),
-        Arg::I32(m.nseg),
-        Arg::I32(g.hq),
-        Arg::I32(g.hkv),
-        Arg::I32(g.tq),
-        Arg::I32(g.tk),
-        Arg::I32(g.d),
-        Arg::I32(m.kind),
-        Arg::I32(m.has_keep),
-        Arg::F32(p.scale as f32),
-    ];
+    let mut args = vec![buf(q), Arg::I32(q_stride), buf(k), buf(v), buf(out), buf(lse)];
+    args.extend(mask_and_sizes(g, m, p.scale, None));
     let grid = [p.tq.div_ceil(BQ) as u32, (p.b * p.hq) as u32, 1];
     plan.launch(module, name, grid, [threads, 1, 1], smem, args)
-}
-
-fn check_elem(op: &str, elem: Elem) -> Result<(), PlanError> {
-    match elem {
-        Elem::F32 | Elem::Bf16 => Ok(()),
-        other => Err(plan_err!("{op}: CUDA inputs must all be f32 or all bf16, got {}", other.name())),
-    }
 }
 
 /// Inputs q, k, v; outputs `O (B, Hq, Tq, D)` of `elem` and the logsumexp `(B, Hq, Tq)` f32 (`-inf` for
 /// a row that sees no key, whose output is 0).
 pub fn forward(p: &Problem, elem: Elem, caps: &Caps) -> Result<Plan, PlanError> {
     let op = "attention";
-    check_elem(op, elem)?;
+    super::float_elem(op, elem)?;
     let g = Geometry::new(op, p)?;
     let mut plan = Plan::new(op);
     let nk = p.b * p.hkv * p.tk * p.d;
@@ -232,7 +218,7 @@ pub fn forward(p: &Problem, elem: Elem, caps: &Caps) -> Result<Plan, PlanError> 
 /// `[dq, dk, dv]` flattened, in `elem`.
 pub fn backward(p: &Problem, elem: Elem, caps: &Caps, saved_lse: bool) -> Result<Plan, PlanError> {
     let op = "attention_bwd";
-    check_elem(op, elem)?;
+    super::float_elem(op, elem)?;
     let g = Geometry::new(op, p)?;
     let mut plan = Plan::new(op);
     let (nq, nk) = (g.rows * p.d, p.b * p.hkv * p.tk * p.d);
@@ -287,26 +273,8 @@ pub fn backward(p: &Problem, elem: Elem, caps: &Caps, saved_lse: bool) -> Result
             let name = format!("attention_bwd_{infix}{}_{}", elem.suffix(), g.dp);
             (Module::Attention, name, bwd_smem(g.dp, tq, tk), THREADS, tk)
         };
-        let args = vec![
-            buf(qod),
-            buf(k),
-            buf(v),
-            buf(lse),
-            buf(delta),
-            buf(dacc),
-            buf(m.keep),
-            buf(m.cu),
-            Arg::I32(m.nseg),
-            Arg::I32(g.nb),
-            Arg::I32(g.hq),
-            Arg::I32(g.hkv),
-            Arg::I32(g.tq),
-            Arg::I32(g.tk),
-            Arg::I32(g.d),
-            Arg::I32(m.kind),
-            Arg::I32(m.has_keep),
-            Arg::F32(p.scale as f32),
-        ];
+        let mut args = vec![buf(qod), buf(k), buf(v), buf(lse), buf(delta), buf(dacc)];
+        args.extend(mask_and_sizes(&g, &m, p.scale, Some(g.nb)));
         let grid = [p.tk.div_ceil(tk_rows) as u32, (p.b * p.hq) as u32, 1];
         plan.launch(module, name, grid, [threads, 1, 1], smem, args)?;
     }

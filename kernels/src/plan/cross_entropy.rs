@@ -16,10 +16,7 @@ fn check(op: &str, n: usize, v: usize, elem: Elem) -> Result<(), PlanError> {
     if n == 0 || v == 0 {
         return Err(plan_err!("{op}: logits ({n}, {v}) are empty; the CUDA kernels need a row and a column"));
     }
-    if !matches!(elem, Elem::F32 | Elem::Bf16) {
-        return Err(plan_err!("{op}: CUDA kernels exist for f32 and bf16, got {}", elem.name()));
-    }
-    Ok(())
+    super::float_elem(op, elem)
 }
 
 /// Adds the row pass; returns the (loss, lse) buffers.

@@ -293,6 +293,14 @@ macro_rules! host_bytes {
 }
 host_bytes!(u8, i32, u32, i64, u64, f32);
 
+/// Refuses a storage type the kernels are not compiled for (they exist for f32 and bf16).
+pub(crate) fn float_elem(op: &str, elem: Elem) -> Result<(), PlanError> {
+    match elem {
+        Elem::F32 | Elem::Bf16 => Ok(()),
+        other => Err(plan_err!("{op}: CUDA kernels exist for f32 and bf16 storage, got {}", other.name())),
+    }
+}
+
 /// One block of `threads` threads per row, as the row kernels launch.
 pub(crate) fn per_row(op: &str, rows: usize, threads: u32) -> Result<([u32; 3], [u32; 3]), PlanError> {
     let rows = u32::try_from(rows).ok().filter(|&r| r <= i32::MAX as u32);

@@ -43,10 +43,7 @@ fn check(op: &str, rows: usize, d: usize, elem: Elem) -> Result<(), PlanError> {
     if rows == 0 || d == 0 {
         return Err(plan_err!("{op}: x ({rows}, {d}) is empty; the CUDA kernels need at least one row"));
     }
-    if !matches!(elem, Elem::F32 | Elem::Bf16) {
-        return Err(plan_err!("{op}: CUDA kernels exist for f32 and bf16, got {}", elem.name()));
-    }
-    Ok(())
+    super::float_elem(op, elem)
 }
 
 /// `y (rows, d)` from inputs x, w (and b for LayerNorm).

@@ -88,9 +88,7 @@ pub fn plan(
     if n == 0 || d % 2 != 0 {
         return Err(plan_err!("{op}: x {dims:?} is empty or has an odd head dim"));
     }
-    if !matches!(elem, Elem::F32 | Elem::Bf16) {
-        return Err(plan_err!("{op}: CUDA kernels exist for f32 and bf16, got {}", elem.name()));
-    }
+    super::float_elem(op, elem)?;
     let idx = RopeIdx::new(op, dims, cos_stride, sin_stride)?;
     let mut p = Plan::new(op);
     let x = p.buffer("x", elem, n, Init::Input(0));
