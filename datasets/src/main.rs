@@ -20,6 +20,7 @@ struct Cli {
 enum Command {
     /// Check an episode file and report every problem with its line number; exits 1 if any.
     Validate {
+        /// The episode file (JSONL).
         file: PathBuf,
         /// Skip opening the screenshots (faster; misses missing or mis-sized images).
         #[arg(long)]
@@ -29,6 +30,7 @@ enum Command {
     Synth(synth::SynthArgs),
     /// Convert a public dataset into askgui episodes.
     Convert {
+        /// The dataset's format.
         #[arg(value_enum)]
         format: Format,
         /// The dataset folder (screenagent) or JSONL file (android-control, mind2web).
@@ -42,6 +44,7 @@ enum Command {
     Ambiguate(ambiguate::AmbiguateArgs),
     /// Episodes, steps, action mix, ask rate, image sizes.
     Stats {
+        /// The episode file (JSONL).
         file: PathBuf,
         /// Print JSON instead of a table.
         #[arg(long)]
@@ -49,7 +52,9 @@ enum Command {
     },
     /// Write an HTML page per episode with each screenshot and its action drawn on it.
     Render {
+        /// The episode file (JSONL).
         file: PathBuf,
+        /// Output folder: index.html and one page per episode.
         #[arg(long)]
         out: PathBuf,
     },

@@ -51,14 +51,16 @@ pub struct PromptConfig {
 }
 
 /// Which system prompt the agent is given. A model must be served with the one it was trained with.
+///
+/// `Full` is [`system_prompt`], `Compact` is [`COMPACT_SYSTEM_PROMPT`]. The variants' doc comments are
+/// `--system-prompt`'s help; why `compact` exists is in docs/flags.md.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum SystemPrompt {
-    /// Every action with its fields, the frame and when to ask ([`system_prompt`]).
+    /// Every action with its fields, the frame and when to ask.
     #[default]
     Full,
-    /// One line ([`COMPACT_SYSTEM_PROMPT`]): a model trained from scratch on one app world learns the
-    /// action space from its targets, and the full prompt would be ~80% of each of its sequences.
+    /// One line, for small models trained from scratch on one app world.
     Compact,
 }
 
@@ -236,6 +238,9 @@ pub struct Sample {
 }
 
 /// Which task the samples are built on.
+///
+/// The variants' doc comments are `--task-mode`'s help; what each mode is for (grounding, the dialogues'
+/// words, screen reading) is in docs/flags.md. A `Describe` sample's task is [`DESCRIBE_TASK`].
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum TaskMode {
@@ -244,21 +249,13 @@ pub enum TaskMode {
     Ambiguous,
     /// Always the full task; no ask samples.
     Full,
-    /// Each step on its own, as AndroidControl's low-level mode: the step's instruction is the task
-    /// ("Select Oat milk"), with no history; steps without an instruction and ask samples are left out.
-    /// Grounding practice: what the screen shows, tied to the words that name it.
+    /// Each step alone, its instruction ("Select Oat milk") as the task, no history: grounding practice.
     Steps,
-    /// The words of the episodes' dialogues as plain text: each annotated question (the ask action's
-    /// JSON) followed by the user's answer, alone in an assistant turn with no system prompt, task or
-    /// screenshot. A model trained from scratch learns the language a later fine-tuning will need (a
-    /// pretrained one knows it), without ever seeing a question in an agent's context. Without it, the
-    /// tokens only a question uses never occur in training, and Adam pushes their (tied) embeddings
-    /// along one shared direction until they are indistinguishable.
+    /// Each annotated question (the ask's JSON) and the user's answer as plain text: no system prompt,
+    /// task or screenshot.
     Language,
-    /// Screen reading practice, as GUI models are pretrained on widget captions and OCR: for each
-    /// screenshot with an element list, the task [`DESCRIBE_TASK`] and, as the target, an `answer` that
-    /// lists the elements' texts in the list's order (steps without elements are left out). It ties what
-    /// each part of a screen looks like to the words for it, the other way round from grounding.
+    /// Screen reading: for each screenshot with an element list, an `answer` listing the elements'
+    /// texts in order.
     Describe,
 }
 

@@ -41,17 +41,22 @@ pub enum SynthError {
     Episode(#[from] crate::episode::EpisodeError),
 }
 
+/// `askgui-data synth`'s flags; the look flags set the fields of [`Look`] of the same names.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SynthArgs {
     /// Output folder: train/val/test JSONL files and images/.
     #[arg(long)]
     pub out: PathBuf,
+    /// Episodes in all, before the split.
     #[arg(long, default_value_t = 200)]
     pub episodes: usize,
+    /// Seeds the tasks, the screens and the split.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Screen width in pixels (at least 160).
     #[arg(long, default_value_t = 360)]
     pub width: u32,
+    /// Screen height in pixels (at least 160).
     #[arg(long, default_value_t = 640)]
     pub height: u32,
     /// Weights of the train:val:test split.
@@ -60,13 +65,13 @@ pub struct SynthArgs {
     /// Fraction of the episodes whose task leaves out a detail (the rest need no question).
     #[arg(long, default_value_t = 0.5)]
     pub ambiguous_fraction: f64,
-    /// Draw each list row and home-screen icon in the colour of its slot (see [`Look::slot_colors`]).
+    /// Draw each list row and home-screen icon in the colour of its slot.
     #[arg(long)]
     pub slot_colors: bool,
-    /// Snap rows and icons to multiples of this many pixels (see [`Look::grid`]; 0: no snapping).
+    /// Snap rows and icons to multiples of this many pixels (0: no snapping).
     #[arg(long, default_value_t = 0)]
     pub grid: u32,
-    /// Give every option and app icon a badge whose colours identify its label (see [`Look::icons`]).
+    /// Give every option and app icon a badge whose colours identify its label.
     #[arg(long)]
     pub icons: bool,
 }

@@ -30,8 +30,8 @@ pub struct MatchConfig {
     /// `type`/`answer` texts match when their token F1 is strictly above this.
     #[arg(long = "match-text-f1", default_value_t = 0.5)]
     pub text_f1: f64,
-    /// A box inferred from the annotated point (the annotation names no element) is used only when it
-    /// covers at most this fraction of the screen (a full-screen container says nothing).
+    /// A box inferred from the annotated point (no element named) is used only when it covers at most
+    /// this fraction of the screen.
     #[arg(long = "match-max-box-fraction", default_value_t = 0.5)]
     pub max_box_fraction: f64,
     /// Do not infer the target element from the annotated point; only a named element gives a box.

@@ -74,20 +74,21 @@ pub struct Config {
     /// A LoRA adapter, NAME=DIR (repeat the flag; comma-separated in the environment variable).
     #[arg(long = "adapter", env = "ASKGUI_SERVE_ADAPTERS", value_delimiter = ',', value_parser = parse_adapter)]
     pub adapters: Vec<AdapterArg>,
+    /// The address to listen on (0.0.0.0: every interface).
     #[arg(long, env = "ASKGUI_SERVE_HOST", default_value = "127.0.0.1")]
     pub host: String,
+    /// The port to listen on.
     #[arg(long, env = "ASKGUI_SERVE_PORT", default_value_t = 8000)]
     pub port: u16,
     /// When set, every endpoint but /health and /metrics needs `Authorization: Bearer KEY`.
     #[arg(long, env = "ASKGUI_SERVE_API_KEY", hide_env_values = true)]
     #[serde(serialize_with = "redact")]
     pub api_key: Option<String>,
-    /// The most jobs the backend decodes together (continuous batching: each forward packs one step of
-    /// every live job; new jobs join between forwards).
+    /// The most jobs the backend decodes together (continuous batching: new jobs join between forwards).
     #[arg(long, env = "ASKGUI_SERVE_MAX_BATCH", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_batch: u32,
-    /// MiB of prompt KV caches kept so that a prompt sharing a beginning with a recent one (a session's
-    /// step after an ask, a retry) prefills only the rest; 0 turns reuse off.
+    /// MiB of prompt KV caches kept, so that a prompt sharing a beginning with a recent one prefills
+    /// only the rest (0: off).
     #[arg(long, env = "ASKGUI_SERVE_PREFIX_CACHE_MB", default_value_t = 256)]
     pub prefix_cache_mb: usize,
     /// Jobs waiting for the backend beyond this are refused with 429.
@@ -108,15 +109,14 @@ pub struct Config {
     /// The answer length, in tokens, when a request does not say.
     #[arg(long, env = "ASKGUI_SERVE_MAX_TOKENS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tokens: u32,
-    /// HTTP worker threads (0: one per CPU core). Workers only parse and wait; the model has its own thread.
+    /// HTTP worker threads (0: one per CPU core).
     #[arg(long, env = "ASKGUI_SERVE_WORKERS", default_value_t = 0)]
     pub workers: usize,
-    /// Serve the deterministic stub backend instead of a model (front-end development, smoke tests).
     /// The system prompt the model was trained with (`compact`: the demo's models).
     #[arg(long, env = "ASKGUI_SERVE_SYSTEM_PROMPT", value_enum, default_value_t = SystemPrompt::Full)]
     pub system_prompt: SystemPrompt,
-    /// Where the model runs: `auto` takes the first CUDA GPU when the binary is built with
-    /// `--features cuda` and one is present (bf16 weights), else the CPU (f32).
+    /// Where the model runs: `auto` is the first CUDA GPU when the binary is built with
+    /// `--features cuda` and one is present, else the CPU.
     #[arg(long, env = "ASKGUI_SERVE_DEVICE", value_enum, default_value_t = DeviceKind::Auto)]
     pub device: DeviceKind,
     /// Weight dtype: `auto` is bf16 on a GPU and f32 on the CPU.
@@ -125,6 +125,7 @@ pub struct Config {
     /// `reference` runs plain-candle ops instead of askgui's kernels (slower; for a GPU they fail on).
     #[arg(long, env = "ASKGUI_SERVE_KERNELS", value_enum, default_value_t = KernelChoice::Askgui)]
     pub kernels: KernelChoice,
+    /// Serve the deterministic stub backend instead of a model (front-end development, smoke tests).
     #[arg(long, env = "ASKGUI_SERVE_STUB", hide = true)]
     pub stub: bool,
 }

@@ -33,8 +33,7 @@ pub enum Mode {
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Preset {
-    /// Navi-plus' LoRA recipe: rank 64, one epoch, batch 64, lr 2e-4 (alpha 128 = 2r is our choice; the
-    /// batch is 8 sequences x 8 accumulation steps).
+    /// Navi-plus' LoRA recipe: rank 64, alpha 128, one epoch, batch 64 (8 x 8 accumulation), lr 2e-4.
     NaviPlus,
 }
 
@@ -67,18 +66,18 @@ pub struct ModelArgs {
     /// What to train.
     #[arg(long, value_enum, default_value_t = Mode::Lora)]
     pub mode: Mode,
-    /// Train from scratch: a config.json (for the byte-level tokenizer's ids) whose random
-    /// initialisation is written to OUTPUT_DIR/init-model and trained (with --mode full), instead of --model.
+    /// Train from scratch instead of --model: a config.json whose random initialisation is written to
+    /// OUTPUT_DIR/init-model and trained (with --mode full).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub init_config: Option<PathBuf>,
-    /// With --init-config: the tokenizer.json of the new model instead of the byte-level one; it must
-    /// keep the byte-level ids of the special tokens (as [`crate::bpe`]'s learned tokenizers do).
+    /// With --init-config: the new model's tokenizer.json instead of the byte-level one (its special
+    /// tokens must keep their byte-level ids).
     #[arg(long, requires = "init_config")]
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub init_tokenizer: Option<PathBuf>,
-    /// Where to train: `auto` takes the first CUDA GPU when the binary is built with `--features cuda`
-    /// and one is present (bf16 weights, f32 LoRA masters), else the CPU (f32).
+    /// Where to train: `auto` is the first CUDA GPU when the binary is built with `--features cuda` and
+    /// one is present, else the CPU.
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
     #[serde(default)]
     pub device: DeviceKind,
@@ -109,13 +108,11 @@ pub struct DataArgs {
     /// Skip (and count) unreadable lines and episodes with missing screenshots instead of stopping.
     #[arg(long, default_value_t = false)]
     pub skip_bad_records: bool,
-    /// Which samples the episodes give: the ambiguous task with its ask samples, always the full task,
-    /// each step alone with its instruction (`steps`), the questions and answers as bare text
-    /// (`language`) or each screen's element texts (`describe`); see askgui-data's `TaskMode`.
+    /// Which samples the episodes give (the possible values below).
     #[arg(long, value_enum, default_value_t = TaskMode::Ambiguous)]
     pub task_mode: TaskMode,
-    /// More samples of the same episodes in other task modes, mixed in (comma-separated), e.g.
-    /// `steps,language` for grounding practice and the dialogues' words.
+    /// More samples of the same episodes in other task modes, mixed in (comma-separated, e.g.
+    /// `steps,language`).
     #[arg(long, value_enum, value_delimiter = ',')]
     #[serde(default)]
     pub extra_task_modes: Vec<TaskMode>,
@@ -131,39 +128,35 @@ pub struct DataArgs {
     /// Earlier screenshots shown besides the current one.
     #[arg(long, default_value_t = 0)]
     pub history_images: usize,
-    /// Most recent history lines (actions, ASK, SAY, the current step's question and answer included)
-    /// kept in the prompt (0: all).
+    /// Most recent history lines (actions, ASK, SAY) kept in the prompt (0: all).
     #[arg(long, default_value_t = 0)]
     pub history_length: usize,
     /// Include the element list when a step has one.
     #[arg(long, default_value_t = false)]
     pub elements: bool,
-    /// The system prompt (`compact`: one line, for small models trained from scratch; serve and eval
-    /// must then be given the same).
+    /// The system prompt (`compact`: one line, for small models trained from scratch); serve and eval
+    /// must be given the same.
     #[arg(long, value_enum, default_value_t = SystemPrompt::Full)]
     #[serde(default)]
     pub system_prompt: SystemPrompt,
     /// Context length in tokens: longer samples lose their oldest history until they fit.
     #[arg(long, default_value_t = 8192)]
     pub max_seq_len: usize,
-    /// Copies of each ask sample in the training data (1: the natural mix; the validation data always
-    /// has one). Asks are a small share of the steps, and they alone teach when to ask.
+    /// Copies of each ask sample in the training data (1: the natural mix; validation keeps one).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     #[serde(default = "one")]
     pub ask_repeat: u32,
-    /// Copies of each sample that acts on the user's answer (the asked step after its SAY turn; 1: the
-    /// natural mix, as in validation). They alone teach the agent to act on what the user said.
+    /// Copies of each sample that acts on the user's answer, the asked step after its SAY turn (1: the
+    /// natural mix; validation keeps one).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     #[serde(default = "one")]
     pub say_repeat: u32,
     /// Weight of the region-word loss (0: off): each image token inside a listed element's box also
-    /// predicts one word of that element's text, as grounded pretraining aligns regions with words.
-    /// Needs episodes with elements; the validation loss leaves it out.
+    /// predicts a word of that element's text. Needs episodes with elements.
     #[arg(long, default_value_t = 0.0)]
     #[serde(default)]
     pub region_weight: f64,
-    /// The decoder layer (1-based) whose output the region loss reads: an early one, so that later
-    /// layers can use what it has to know (clamped to the model's depth).
+    /// The decoder layer (1-based, clamped to the model's depth) whose output the region loss reads.
     #[arg(long, default_value_t = 1)]
     #[serde(default = "one_usize")]
     pub region_layer: usize,
@@ -203,10 +196,13 @@ pub struct OptimArgs {
     /// Decoupled weight decay (torch.optim.AdamW's).
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
+    /// AdamW's beta1 (decay of the gradient's running mean).
     #[arg(long, default_value_t = 0.9)]
     pub beta1: f64,
+    /// AdamW's beta2 (decay of the squared gradient's running mean).
     #[arg(long, default_value_t = 0.999)]
     pub beta2: f64,
+    /// AdamW's epsilon (added to the denominator).
     #[arg(long, default_value_t = 1e-8)]
     pub eps: f64,
     /// Warmup steps as a fraction of all steps (rounded up; used unless --warmup-steps is given).
@@ -228,6 +224,7 @@ pub struct OptimArgs {
     /// Micro-batches per optimiser step.
     #[arg(long, default_value_t = 8)]
     pub grad_accum: usize,
+    /// Passes over the training data.
     #[arg(long, default_value_t = 1)]
     pub epochs: usize,
     /// Stop after this many optimiser steps (0: the epochs decide); it also sets the schedule's length.
@@ -262,8 +259,7 @@ pub struct RunArgs {
     /// Validation samples used per eval (0: all).
     #[arg(long, default_value_t = 0)]
     pub eval_samples: usize,
-    /// Validation episodes run as an agent by askgui-eval at each eval (SSR, SR, ASK precision / recall /
-    /// F1 in metrics.jsonl; 0: off).
+    /// Validation episodes run as an agent at each eval (SSR, SR and ASK scores in metrics.jsonl; 0: off).
     #[arg(long, default_value_t = 32)]
     pub eval_episodes: usize,
     /// The longest answer, in tokens, of the agent eval and of the sample prediction.
@@ -309,8 +305,8 @@ pub struct Cli {
     /// Continue from a checkpoint folder (or the newest checkpoint in an output folder).
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Stop (with a checkpoint) once the run has done this many steps, as if interrupted, keeping the
-    /// schedule of the full run: to train in chunks with --resume. Not saved in the config.
+    /// Stop with a checkpoint after this many steps, as if interrupted, keeping the full run's schedule
+    /// (to train in chunks with --resume).
     #[arg(long)]
     pub stop_after: Option<usize>,
     #[command(flatten)]

@@ -37,12 +37,13 @@ pub struct DemoArgs {
     /// Synthetic episodes in all (split train:val:test by --split).
     #[arg(long, default_value_t = 3000)]
     pub episodes: usize,
+    /// Weights of the train:val:test split.
     #[arg(long, default_value = "8:1:1")]
     pub split: String,
-    /// Screen size of the synthetic world. Multiples of 28 within --max-pixels are seen unresized: the
-    /// 8-pixel glyphs stay sharp and every row of text falls on the patch grid the same way.
+    /// Screen width of the synthetic world (multiples of 28 within --max-pixels are seen unresized).
     #[arg(long, default_value_t = 168)]
     pub width: u32,
+    /// Screen height of the synthetic world (multiples of 28 within --max-pixels are seen unresized).
     #[arg(long, default_value_t = 308)]
     pub height: u32,
     /// The image processor's max_pixels (the model's view of a screenshot).
@@ -51,36 +52,28 @@ pub struct DemoArgs {
     /// Fraction of the episodes whose task leaves out a detail.
     #[arg(long, default_value_t = 0.6)]
     pub ambiguous_fraction: f64,
-    /// Plain screens: list rows and icons in one colour, off the patch grid and without badges, instead of
-    /// the demo's default of a colour per slot and a badge per option on the model's 28-pixel grid
-    /// (askgui-data synth `--slot-colors --grid 28 --icons`).
+    /// Plain screens: rows and icons in one colour, off the patch grid, without badges (the default is
+    /// askgui-data synth `--slot-colors --grid 28 --icons`).
     #[arg(long)]
     pub plain_slots: bool,
-    /// The base model's config.json (default: the built-in [`crate::init::DEMO_CONFIG`]); its special-token
-    /// ids must be the byte-level tokenizer's.
+    /// The base model's config.json (default: the built-in demo model); its special-token ids must be the
+    /// byte-level tokenizer's.
     #[arg(long)]
     pub model_config: Option<PathBuf>,
     /// Tokens of the BPE tokenizer learned on the training prompts (0: the byte-level tokenizer).
     #[arg(long, default_value_t = 512)]
     pub vocab_size: usize,
     /// Sample sets mixed into the base training besides the full tasks (askgui-train
-    /// `--extra-task-modes`): `steps`, grounding practice (each step alone with its instruction, as GUI
-    /// agents are pretrained on grounding); `language`, the dialogues' words as plain text (what a
-    /// pretrained model would know). The flag with no value: the full tasks alone.
+    /// `--extra-task-modes`); the flag with no value: the full tasks alone.
     #[arg(long, value_enum, value_delimiter = ',', num_args = 0.., default_value = "steps,language")]
     pub base_extra: Vec<TaskMode>,
-    /// Optimiser steps of the base training (from scratch): base SSR 0.564 after 1,200, 0.856 after 2,000.
+    /// Optimiser steps of the base training (from scratch).
     #[arg(long, default_value_t = 2000)]
     pub base_steps: usize,
-    /// Peak learning rate of the base training. Reading where a thing is on the screen (its slot colour,
-    /// to the coordinates) is learnt at 1e-3 and 2e-3 and not at 3e-3 (the action buttons at chance),
-    /// while copying the message text into `type` needs 2e-3 or more; see the module doc.
+    /// Peak learning rate of the base training.
     #[arg(long, default_value_t = 2e-3)]
     pub base_lr: f64,
-    /// Weight of the base training's region loss (askgui-train `--region-weight`; 0: off): each screen
-    /// token predicts a word of the widget it shows, or the action's name where the action lands, from
-    /// the first decoder layer. Without it the base agent never learns to pick an option by the task's
-    /// words; see the module doc.
+    /// Weight of the base training's region loss (askgui-train `--region-weight`; 0: off).
     #[arg(long, default_value_t = 1.0)]
     pub region_weight: f64,
     /// The decoder layer whose output the region loss reads (askgui-train `--region-layer`).
@@ -89,44 +82,35 @@ pub struct DemoArgs {
     /// The region loss's weight in the LoRA fine-tuning (0: off).
     #[arg(long, default_value_t = 1.0)]
     pub lora_region_weight: f64,
-    /// Optimiser steps of the LoRA fine-tuning. On one base, with `--lora-extra full`, four copies of
-    /// each ask and five of each answer, validation split: Dual-Stream SSR 0.890, 0.903, 0.914 and strict
-    /// FPR 0.067, 0.012, 0.093 after 600, 750, 900 steps (the FPR counts a handful of needless asks).
+    /// Optimiser steps of the LoRA fine-tuning.
     #[arg(long, default_value_t = 750)]
     pub lora_steps: usize,
+    /// Peak learning rate of the LoRA fine-tuning.
     #[arg(long, default_value_t = 4e-3)]
     pub lora_lr: f64,
+    /// LoRA rank of the fine-tuning.
     #[arg(long, default_value_t = 16)]
     pub lora_rank: usize,
-    /// Copies of each ask sample in the LoRA mix (askgui-train `--ask-repeat`). With `--lora-extra full`
-    /// and 750 steps, validation split: 3 copies missed 19 of 150 asks (strict recall 0.87), 4 copies 6.
-    /// Without the full tasks mixed in, 3 copies made the agent ask on full tasks (178 needless asks in
-    /// 1,414 steps against 58 with 2).
+    /// Copies of each ask sample in the LoRA mix (askgui-train `--ask-repeat`).
     #[arg(long, default_value_t = 4)]
     pub ask_repeat: u32,
-    /// Copies of each sample that acts on the user's answer in the LoRA mix (askgui-train
-    /// `--say-repeat`). With 300 steps on one base, acting on the answer at the asked step: 1 copy 0.492
-    /// of 189 steps, 3 0.545, 5 0.571, 8 0.646; Dual-Stream SSR 0.838, 0.839, 0.848, 0.845 (8 copies
-    /// cost the other steps of ambiguous tasks).
+    /// Copies of each sample that acts on the user's answer in the LoRA mix (askgui-train `--say-repeat`).
     #[arg(long, default_value_t = 5)]
     pub say_repeat: u32,
     /// Sample sets mixed into the LoRA fine-tuning besides the Navi-plus mix (askgui-train
-    /// `--extra-task-modes`): `full` shows every training episode again with its full task, so each
-    /// ambiguous step is also seen with the detail given and acted on. On one base, 600 steps, test split:
-    /// needless asks on full tasks fell from 22 to 1 of 110 tasks (strict FPR 0.333 to 0.065). The flag
-    /// with no value mixes in nothing.
+    /// `--extra-task-modes`); the flag with no value: none.
     #[arg(long, value_enum, value_delimiter = ',', num_args = 0.., default_value = "full")]
     pub lora_extra: Vec<TaskMode>,
-    /// Sequences per optimiser step (one micro-batch; 16 amortises the per-op overhead of a model this
-    /// small: ~1.7x the tokens/s of 8).
+    /// Sequences per optimiser step (one micro-batch).
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
     /// Test episodes evaluated (0: the whole test split).
     #[arg(long, default_value_t = 0)]
     pub eval_episodes: usize,
-    /// The longest answer, in tokens (an ask with its four options is ~100 tokens of the learned tokenizer).
+    /// The longest answer of the evaluation, in tokens.
     #[arg(long, default_value_t = 160)]
     pub max_new_tokens: usize,
+    /// Seeds the synthetic world and both trainings.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// No progress bars.

@@ -1,5 +1,5 @@
 //! `askgui-train`'s command line as a user meets it: `--help` lists the subcommands, each subcommand has
-//! its own usage line, and flags and subcommands do not mix.
+//! its own usage line, flags and subcommands do not mix, and no help text leaks rustdoc link syntax.
 
 use std::process::Command;
 
@@ -51,4 +51,16 @@ fn training_flags_and_a_subcommand_do_not_mix() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("cannot be used with"), "{err}");
+}
+
+#[test]
+fn help_texts_have_no_rustdoc_links() {
+    let mut runs = vec![vec!["--help"]];
+    runs.extend(SUBCOMMANDS.map(|s| vec![s, "--help"]));
+    for args in runs {
+        let text = help(&args);
+        for (i, line) in text.lines().enumerate() {
+            assert!(!line.contains("[`"), "{args:?} line {}: rustdoc link syntax in `{line}`", i + 1);
+        }
+    }
 }

@@ -30,7 +30,7 @@ pub use openai::{OpenAiAgent, OpenAiConfig};
 /// Which agent to evaluate, and how to prompt it.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BackendArgs {
-    /// In-process: a Qwen2.5-VL / Qwen2-VL checkpoint directory or hub id (runs f32 on the CPU).
+    /// In-process: a Qwen2.5-VL / Qwen2-VL checkpoint directory or hub id (runs on --device).
     #[arg(long)]
     pub model: Option<String>,
     /// A LoRA adapter directory (PEFT format) applied to --model.
@@ -63,8 +63,8 @@ pub struct BackendArgs {
     /// The longest answer, in tokens.
     #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,
-    /// Where `--model` runs: `auto` takes the first CUDA GPU when the binary is built with `--features
-    /// cuda` and one is present (bf16 weights), else the CPU (f32).
+    /// Where `--model` runs: `auto` is the first CUDA GPU when the binary is built with `--features
+    /// cuda` and one is present, else the CPU.
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
     pub device: DeviceKind,
     /// Weight dtype of `--model`: `auto` is bf16 on a GPU and f32 on the CPU.
