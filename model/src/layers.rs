@@ -6,7 +6,7 @@
 use askgui_kernels::{attention_reference, ops, AttentionMask};
 use candle_core::{DType, Result, Tensor};
 
-use crate::checkpoint::Weights;
+use crate::weights::Weights;
 use crate::config::VisionAct;
 use crate::device::KernelChoice;
 use crate::lora::LoraSlot;

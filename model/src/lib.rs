@@ -1,6 +1,6 @@
 //! askgui-model: Qwen2.5-VL and Qwen2-VL in candle.
 //!
-//! Checkpoint and tokenizer loading ([`checkpoint`], [`chat`]), image preprocessing equal to transformers'
+//! Weight and tokenizer loading ([`weights`], [`chat`]), image preprocessing equal to transformers'
 //! `Qwen2VLImageProcessor` ([`image`]), the vision tower ([`vision`]), the M-RoPE decoder with a KV cache
 //! ([`text`]), the model that joins them ([`model`]) and batched generation ([`generate`]). The crate knows
 //! nothing about GUI actions. Correctness is measured against Hugging Face transformers on tiny random
@@ -9,23 +9,23 @@
 //! [`train`] (loss and gradients against PEFT in `tests/lora_grad.rs`).
 
 pub mod chat;
-pub mod checkpoint;
 pub mod config;
 pub mod device;
 pub mod error;
 pub mod generate;
-pub mod grad_checkpoint;
 pub mod image;
-pub mod init;
 pub mod layers;
 pub mod lora;
 pub mod model;
+pub mod random_init;
+pub mod recompute;
 pub mod text;
 pub mod train;
 pub mod vision;
+pub mod weights;
 
 pub use chat::{render_chat, Content, Message, QwenTokenizer};
-pub use checkpoint::{CheckpointFiles, Weights};
+pub use weights::{CheckpointFiles, Weights};
 pub use config::{Arch, ModelConfig};
 pub use device::{pin_cpu_threads, DTypeChoice, DeviceKind, KernelChoice, LoadOptions};
 pub use error::{ModelError, Result};

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::checkpoint::{CheckpointFiles, Weights};
+use crate::weights::{CheckpointFiles, Weights};
 use crate::config::{Arch, ModelConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};

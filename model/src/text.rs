@@ -8,7 +8,7 @@
 use askgui_kernels::{mrope_cos_sin_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
-use crate::checkpoint::Weights;
+use crate::weights::Weights;
 use crate::config::TextConfig;
 use crate::device::KernelChoice;
 use crate::error::Result;

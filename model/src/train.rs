@@ -28,7 +28,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
-use crate::grad_checkpoint::{self, Stage};
+use crate::recompute::{self, Stage};
 use crate::layers::{matmul_t, Linear};
 use crate::lora::{matches_target, Adapter, LoraConfig, LoraDelta};
 use crate::model::{mrope_positions, Qwen2Vl};
@@ -185,7 +185,7 @@ pub struct StepOutput {
     pub grads: GradStore,
 }
 
-/// The training forward as a chain ([`crate::grad_checkpoint`]).
+/// The training forward as a chain ([`crate::recompute`]).
 struct Chain<'a> {
     x0: Tensor,
     stages: Vec<Stage<'a>>,
@@ -405,7 +405,7 @@ impl Qwen2Vl {
     /// next-token cross-entropy (the mean over every supervised token of the batch, as transformers'
     /// `labels` with -100 elsewhere) and the gradients of the adapter's `Var`s, and of nothing else.
     /// With `opts.checkpointing` every vision block and decoder layer is recomputed in the backward
-    /// ([`crate::grad_checkpoint`]); the result is the same.
+    /// ([`crate::recompute`]); the result is the same.
     pub fn loss_and_grads(&self, batch: &[TrainExample], opts: &StepOptions) -> Result<StepOutput> {
         let mut params: Vec<Var> = match self.active_adapter() {
             Some(name) => self.trainable_vars(name)?.into_iter().map(|(_, v)| v).collect(),
@@ -416,7 +416,7 @@ impl Qwen2Vl {
         }
         let ctx = self.train_ctx(opts.dropout_seed)?;
         let chain = self.train_chain(batch, &ctx, (opts.region_weight, opts.region_layer))?;
-        let (loss, grads) = grad_checkpoint::forward_backward(&chain.x0, &chain.stages, &params, opts.checkpointing)?;
+        let (loss, grads) = recompute::forward_backward(&chain.x0, &chain.stages, &params, opts.checkpointing)?;
         Ok(StepOutput {
             loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
             supervised_tokens: chain.supervised,
@@ -430,7 +430,7 @@ impl Qwen2Vl {
     pub fn loss(&self, batch: &[TrainExample], dropout_seed: u64) -> Result<Tensor> {
         let ctx = self.train_ctx(dropout_seed)?;
         let chain = self.train_chain(batch, &ctx, (0.0, 0))?;
-        grad_checkpoint::graph(&chain.x0, &chain.stages)
+        recompute::graph(&chain.x0, &chain.stages)
     }
 
     /// The loss of [`Self::loss_and_grads`] without any gradient (e.g. a validation loss): no graph
@@ -438,7 +438,7 @@ impl Qwen2Vl {
     pub fn eval_loss(&self, batch: &[TrainExample]) -> Result<(f64, usize)> {
         let ctx = TrainCtx::new(0.0, 0, self.kernels())?;
         let chain = self.train_chain(batch, &ctx, (0.0, 0))?;
-        let loss = grad_checkpoint::forward_loss(&chain.x0, &chain.stages)?;
+        let loss = recompute::forward_loss(&chain.x0, &chain.stages)?;
         Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, chain.supervised))
     }
 

@@ -11,7 +11,7 @@
 use askgui_kernels::AttentionMask;
 use candle_core::{DType, Device, Tensor};
 
-use crate::checkpoint::Weights;
+use crate::weights::Weights;
 use crate::config::{Arch, VisionConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};

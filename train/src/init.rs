@@ -1,6 +1,6 @@
 //! `--init-config`: a Qwen2.5-VL / Qwen2-VL checkpoint folder with random weights, for training from scratch.
 //!
-//! The weights are askgui-model's [`askgui_model::init::random_weights`] (transformers' initialisation:
+//! The weights are askgui-model's [`askgui_model::random_init::random_weights`] (transformers' initialisation:
 //! N(0, 0.02) weights and embeddings, zero biases, unit norms). The tokenizer is the byte-level one of the
 //! model's test fixture (256 bytes + the 8 Qwen special tokens, vocab 272), embedded in the binary so that
 //! nothing is downloaded; a config for it must use its special-token ids (`image_token_id` 262, ...).
@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use askgui_model::{init, ModelConfig, Qwen2Vl};
+use askgui_model::{random_init as init, ModelConfig, Qwen2Vl};
 
 use crate::checkpoint::TrainerState;
 use crate::config::TrainConfig;

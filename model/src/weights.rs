@@ -1,4 +1,6 @@
-//! Finding and memory-mapping a checkpoint: a local directory or a hub id, single-file or sharded weights.
+//! Weight files: finding and memory-mapping a checkpoint's weights (a local directory or a hub id,
+//! single-file or sharded safetensors). Not training snapshots (`askgui-train`) nor recomputation
+//! ([`crate::recompute`]).
 //!
 //! Hub ids go through `hf-hub`. Offline (no network, or `HF_HUB_OFFLINE=1`) only the local cache is used,
 //! and a missing file is an error that names the file, the cache directory searched and how to fix it.

@@ -1,23 +1,19 @@
-//! Gradient checkpointing: the training forward as a chain of stages, each recomputed in the backward.
+//! Recomputation (gradient checkpointing): the training forward as a chain of stages, each recomputed in
+//! the backward.
 //!
-//! candle has no checkpointing (ARCHITECTURE.md, "Training-grade ops"): its backward needs every
-//! intermediate of the graph alive at once, which for a VLM on a screenshot is gigabytes. Here the forward
-//! is a chain `x_0 -> stage_0 -> x_1 -> ... -> stage_{n-1} -> loss` (one stage per transformer block).
-//!
-//! With checkpointing, the forward runs every stage but the last on a detached input and keeps only the
-//! stage inputs `x_i`. The backward walks the stages in reverse: it recomputes stage `i` with `x_i` as a
-//! fresh leaf and backpropagates `sum(stage_i(x_i) * g_{i+1})`, whose gradients are `g_i` (for `x_i`) and
-//! the stage's own parameter gradients. Peak memory is the stage inputs plus one stage's graph instead of
-//! every stage's graph; the cost is one more forward of every stage but the last. Without checkpointing
-//! the same chain runs as one graph and one `backward`, so the two modes can be tested against each other.
-//!
-//! A stage may also return a side loss (a scalar, e.g. an auxiliary loss on an intermediate layer): the
-//! chain's loss is the last stage's output plus every side loss, and in the backward stage `i`
-//! backpropagates `sum(stage_i(x_i) * g_{i+1}) + side_i`.
-//!
-//! Stages before the first one with parameters need no gradient: they run once, without a graph. Either
-//! way the returned [`GradStore`] holds the parameters' gradients and nothing else (candle's own store
-//! also keeps gradients of constants such as rotary tables and dropout masks).
+//! candle has no gradient checkpointing: its backward needs every intermediate of the graph alive at once,
+//! which for a VLM on a screenshot is gigabytes. Here the forward is a chain
+//! `x_0 -> stage_0 -> x_1 -> ... -> stage_{n-1} -> loss` (one stage per transformer block). With
+//! checkpointing, the forward keeps only the stage inputs `x_i`; the backward walks the stages in reverse,
+//! recomputes stage `i` from `x_i` as a fresh leaf and backpropagates `sum(stage_i(x_i) * g_{i+1})` plus
+//! the stage's side loss (a stage may add one to the chain's loss, e.g. an auxiliary loss on an
+//! intermediate layer), which gives `g_i` and the stage's parameter gradients. Peak memory is
+//! the stage inputs plus one stage's graph; the cost is one more forward of every stage but the last.
+//! Without checkpointing the same chain runs as one graph, so the two modes are tested against each other.
+//! Stages before the first one with parameters run once, without a graph. Either way the returned
+//! [`GradStore`] holds the parameters' gradients and nothing else (candle's own store also keeps gradients
+//! of constants such as rotary tables and dropout masks). Reference: Chen et al. 2016, "Training Deep Nets
+//! with Sublinear Memory Cost".
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
