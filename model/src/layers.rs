@@ -6,10 +6,10 @@
 use askgui_kernels::{attention_reference, ops, AttentionMask};
 use candle_core::{DType, Result, Tensor};
 
+use crate::adapter_slot::LoraSlot;
 use crate::weights::Weights;
 use crate::config::VisionAct;
 use crate::device::KernelChoice;
-use crate::lora::LoraSlot;
 use crate::train::TrainCtx;
 
 /// `y = x W^T + b (+ scale * (x A^T) B^T for the active LoRA adapter)` with `W (out, in)`.

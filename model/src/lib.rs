@@ -8,6 +8,7 @@
 //! loaded, applied, merged and saved by [`lora`] (parity with PEFT in `tests/lora.rs`), and trained through
 //! [`train`] (loss and gradients against PEFT in `tests/lora_grad.rs`).
 
+pub mod adapter_slot;
 pub mod chat;
 pub mod config;
 pub mod device;

@@ -28,9 +28,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+pub use crate::adapter_slot::{LoraDelta, LoraSlot};
 use crate::error::{ModelError, Result};
 use crate::model::Qwen2Vl;
 
@@ -205,62 +206,6 @@ impl LoraConfig {
             return bad("exclude_modules", "is set; excluded modules are not supported".into());
         }
         Ok(())
-    }
-}
-
-/// One adapter's low-rank update of one linear: `A (r, in)`, `B (out, r)`.
-#[derive(Debug, Clone)]
-pub struct LoraDelta {
-    pub a: Tensor,
-    pub b: Tensor,
-    pub scale: f64,
-}
-
-impl LoraDelta {
-    /// `x (..., in) -> scale * (x A^T) B^T (..., out)`.
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        // Trainable adapters of a bf16 model keep f32 masters (`train::master_dtype`): the product runs
-        // in the adapter's dtype and comes back in the activations' (both casts are differentiable). On
-        // the CPU, which has no bf16 matmul, a bf16 adapter (loaded for inference) runs in f32 too.
-        let dtype = x.dtype();
-        let master = match x.device().is_cpu() {
-            true => crate::train::master_dtype(self.a.dtype()),
-            false => self.a.dtype(),
-        };
-        let x = if dtype == master { x.clone() } else { x.to_dtype(master)? };
-        let (a, b) = (self.a.to_dtype(master)?, self.b.to_dtype(master)?);
-        // (..., in) -> (..., r) -> (..., out)
-        let y = (x.broadcast_matmul(&a.t()?)?.broadcast_matmul(&b.t()?)? * self.scale)?;
-        if dtype == master {
-            Ok(y)
-        } else {
-            y.to_dtype(dtype)
-        }
-    }
-
-    /// `scale * B A`, `(out, in)`, computed in f32 and returned in `dtype`.
-    fn dense(&self, dtype: DType) -> candle_core::Result<Tensor> {
-        (self.b.to_dtype(DType::F32)?.matmul(&self.a.to_dtype(DType::F32)?)? * self.scale)?.to_dtype(dtype)
-    }
-}
-
-/// The adapters loaded for one linear layer.
-#[derive(Debug, Clone, Default)]
-pub struct LoraSlot {
-    pub(crate) adapters: BTreeMap<String, LoraDelta>,
-    active: Option<String>,
-    /// The merged adapter's name and the original weight it replaced.
-    merged: Option<(String, Tensor)>,
-}
-
-impl LoraSlot {
-    /// The delta to add in the forward: the active adapter's, unless it is already merged into `W`.
-    pub fn active_delta(&self) -> Option<&LoraDelta> {
-        let name = self.active.as_deref()?;
-        if self.merged.as_ref().is_some_and(|(m, _)| m == name) {
-            return None;
-        }
-        self.adapters.get(name)
     }
 }
 

@@ -26,6 +26,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+pub use crate::adapter_slot::master_dtype;
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::recompute::{self, Stage};
@@ -126,15 +127,6 @@ impl TrainCtx {
         let mask: Vec<f32> =
             (0..x.elem_count()).map(|_| if rng.random::<f64>() < keep { (1.0 / keep) as f32 } else { 0.0 }).collect();
         x * Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?
-    }
-}
-
-/// The dtype trainable adapter weights are kept in: f32 master copies for a half-precision (bf16 / f16)
-/// model, so that small AdamW updates are not rounded away; the model's own dtype otherwise.
-pub fn master_dtype(model: DType) -> DType {
-    match model {
-        DType::BF16 | DType::F16 => DType::F32,
-        d => d,
     }
 }
 
