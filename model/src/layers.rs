@@ -1,7 +1,11 @@
-//! Small building blocks shared by the vision tower and the decoder: a linear layer over a frozen
-//! weight, and the activations. Linear is ours (not candle-nn's) so that LoRA can wrap it: each one knows
-//! its checkpoint name and holds the LoRA deltas loaded for it ([`crate::lora`]); with none loaded its
-//! forward is exactly `x W^T + b`.
+//! Small building blocks shared by the vision tower and the decoder: a linear layer over a frozen weight,
+//! the activations, and the inference path's norms, rotary embedding and attention.
+//!
+//! Linear is ours (not candle-nn's) so that LoRA can wrap it: each one knows its hub-layout checkpoint
+//! name and holds the LoRA deltas loaded for it ([`crate::adapter_slot`]); with none loaded its forward
+//! is exactly `x W^T + b`. Its training forward is [`crate::train_ops`]. The norms, rope and attention
+//! take the kernels' CustomOp where it has a kernel for the device and dtype, else the plain-candle
+//! reference (`--kernels reference` always), chosen per call from the model's [`KernelChoice`].
 
 use askgui_kernels::{attention_reference, ops, AttentionMask};
 use candle_core::{DType, Result, Tensor};
@@ -10,7 +14,6 @@ use crate::adapter_slot::LoraSlot;
 use crate::weights::Weights;
 use crate::config::VisionAct;
 use crate::device::KernelChoice;
-use crate::train::TrainCtx;
 
 /// `y = x W^T + b (+ scale * (x A^T) B^T for the active LoRA adapter)` with `W (out, in)`.
 #[derive(Debug, Clone)]
@@ -31,14 +34,6 @@ impl Linear {
             weight: w.get(&format!("{name}.weight"), &[out_dim, in_dim])?,
             bias: if bias { Some(w.get(&format!("{name}.bias"), &[out_dim])?) } else { None },
         })
-    }
-
-    /// [`Self::forward`] (`train` None) or [`Self::forward_train`].
-    pub(crate) fn forward_with(&self, x: &Tensor, train: Option<&TrainCtx>) -> Result<Tensor> {
-        match train {
-            None => self.forward(x),
-            Some(ctx) => self.forward_train(x, ctx),
-        }
     }
 
     /// `x (..., in) -> (..., out)`.

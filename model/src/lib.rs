@@ -22,6 +22,7 @@ pub mod random_init;
 pub mod recompute;
 pub mod text;
 pub mod train;
+pub mod train_ops;
 pub mod vision;
 pub mod weights;
 

@@ -13,7 +13,7 @@ use crate::config::TextConfig;
 use crate::device::KernelChoice;
 use crate::error::Result;
 use crate::layers::Linear;
-use crate::train::TrainCtx;
+use crate::train_ops::TrainCtx;
 
 struct Layer {
     input_norm: Tensor,

@@ -1,134 +1,33 @@
-//! Trainable LoRA: adapters whose `A` and `B` are `candle_core::Var`s, and the training loss.
+//! Training on the model: trainable LoRA adapters (their `A` and `B` are `candle_core::Var`s), full
+//! training of the base weights, and the loss with its gradients.
 //!
-//! A trainable adapter is an ordinary adapter of [`crate::lora`] whose tensors are `Var`s: the same
-//! [`crate::lora::LoraSlot`] entries serve inference and training, so an optimiser's `Var::set` is seen by
-//! the next forward, and [`Qwen2Vl::save_adapter`] / [`Qwen2Vl::merge_adapter`] work unchanged.
-//! [`Qwen2Vl::add_trainable_adapter`] initialises as PEFT does (`A ~ U(-1/sqrt(in), 1/sqrt(in))`, which
-//! is `kaiming_uniform_(a=sqrt(5))`; `B = 0`); [`Qwen2Vl::make_adapter_trainable`] turns a loaded adapter
-//! into `Var`s (e.g. to continue training it); [`Qwen2Vl::trainable_vars`] lists them for an optimiser.
-//!
-//! The loss ([`Qwen2Vl::loss`]) runs a separate training path, not the inference forward: the vision tower
-//! and decoder take an optional [`TrainCtx`] and, when it is given, use the kernels' CustomOps with an
-//! explicit backward (`frozen_linear` for base `W`, a frozen bias add, `rms_norm_frozen` /
-//! `layer_norm_frozen`, `attention`, `rope`) so that gradients flow through the LoRA `Var`s only and the
-//! `GradStore` holds no entry for any base weight. With `--kernels reference` ([`KernelChoice`]) the same
-//! path runs the ops' plain-candle twins through candle's autograd instead (what the parity test
-//! `tests/kernel_choice.rs` compares). The inference path (`ctx` None) is the code that the parity tests
-//! check, unchanged. Dropout (PEFT's `lora_dropout`) is inverted dropout on the LoRA input only, drawn from
-//! a seeded RNG, in the training path only.
+//! A trainable adapter is an ordinary adapter ([`crate::lora`]) whose tensors are `Var`s: the same
+//! [`crate::adapter_slot::LoraSlot`] entries serve inference and training, so an optimiser's `Var::set` is
+//! seen by the next forward and saving / merging work unchanged. [`Qwen2Vl::add_trainable_adapter`]
+//! initialises as PEFT does (`A ~ U(-1/sqrt(in), 1/sqrt(in))`, i.e. `kaiming_uniform_(a=sqrt(5))`; `B = 0`).
+//! Key choice: the loss runs a separate training path, not the inference forward: the vision tower and
+//! decoder are given a [`TrainCtx`] ([`crate::train_ops`]: ops with an explicit backward, so no base weight
+//! gets a gradient), and the forward is a chain of stages recomputed in the backward
+//! ([`crate::recompute`]). The inference path is the code the parity tests check, unchanged. Gradients
+//! are checked against PEFT in `tests/lora_grad.rs` and the two op paths against each other in
+//! `tests/kernel_choice.rs`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use askgui_kernels::{ops, AttentionMask};
 use candle_core::backprop::GradStore;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 pub use crate::adapter_slot::master_dtype;
-use crate::device::KernelChoice;
+use crate::adapter_slot::LoraDelta;
 use crate::error::{ModelError, Result};
-use crate::recompute::{self, Stage};
 use crate::layers::{matmul_t, Linear};
-use crate::lora::{matches_target, Adapter, LoraConfig, LoraDelta};
+use crate::lora::{matches_target, Adapter, LoraConfig};
 use crate::model::{mrope_positions, Qwen2Vl};
-
-/// State of one training forward: the LoRA dropout probability and its seed, and which ops run.
-pub struct TrainCtx {
-    dropout: f64,
-    seed: u64,
-    /// Full training: the base weights are `Var`s and get gradients ([`Qwen2Vl::make_base_trainable`]).
-    full: bool,
-    kernels: KernelChoice,
-}
-
-impl TrainCtx {
-    fn new(dropout: f64, seed: u64, kernels: KernelChoice) -> Result<Self> {
-        if !(0.0..1.0).contains(&dropout) {
-            return Err(ModelError::Train(format!("lora_dropout is {dropout}; it must be in [0, 1)")));
-        }
-        Ok(Self { dropout, seed, full: false, kernels })
-    }
-
-    fn reference(&self) -> bool {
-        self.kernels == KernelChoice::Reference
-    }
-
-    /// RMSNorm of the training path: the op with a frozen weight, or with a trained one in full
-    /// training (`Params::Trained`), or the reference, whose autograd covers both.
-    pub(crate) fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-        match (self.reference(), self.full) {
-            (true, _) => askgui_kernels::rms_norm_reference(x, w, eps),
-            (false, true) => ops::rms_norm(x, w, eps),
-            (false, false) => ops::rms_norm_frozen(x, w, eps),
-        }
-    }
-
-    /// LayerNorm of the training path, like [`Self::rms_norm`].
-    pub(crate) fn layer_norm(&self, x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-        match (self.reference(), self.full) {
-            (true, _) => askgui_kernels::layer_norm_reference(x, w, b, eps),
-            (false, true) => ops::layer_norm(x, w, b, eps),
-            (false, false) => ops::layer_norm_frozen(x, w, b, eps),
-        }
-    }
-
-    /// Rotary embedding of the training path (the tables never need a gradient).
-    pub(crate) fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
-        match self.reference() {
-            true => askgui_kernels::rope_reference(x, cos, sin),
-            false => ops::rope(x, cos, sin),
-        }
-    }
-
-    /// Attention of the training path. The reference keeps the `Tq x Tk` scores for the backward.
-    pub(crate) fn attention(
-        &self,
-        (q, k, v): (&Tensor, &Tensor, &Tensor),
-        mask: AttentionMask,
-        key_padding: Option<&Tensor>,
-        scale: f64,
-    ) -> candle_core::Result<Tensor> {
-        match self.reference() {
-            true => askgui_kernels::attention_reference(q, k, v, mask, key_padding, scale),
-            false => ops::attention(q, k, v, mask, key_padding, scale),
-        }
-    }
-
-    /// `x W^T` with `W` frozen. Through the reference candle's backward also computes (and drops) a
-    /// gradient for `W`: correct, one weight-sized buffer more per linear.
-    fn frozen_linear(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-        match self.reference() {
-            true => ops::frozen_linear_reference(x, w),
-            false => ops::frozen_linear(x, w),
-        }
-    }
-
-    /// The mean masked next-token cross-entropy.
-    fn cross_entropy(&self, logits: &Tensor, labels: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-        match self.reference() {
-            true => ops::cross_entropy_masked_reference(logits, labels, mask),
-            false => ops::cross_entropy_masked(logits, labels, mask),
-        }
-    }
-
-    /// Inverted dropout on the input of linear `name`: each element kept with probability `1 - p` and
-    /// scaled by `1 / (1 - p)`. The mask depends only on the seed and the layer's name (each linear runs
-    /// once per forward), so gradient checkpointing's recomputation draws the same mask.
-    fn dropout(&self, name: &str, x: &Tensor) -> candle_core::Result<Tensor> {
-        if self.dropout == 0.0 {
-            return Ok(x.clone());
-        }
-        let keep = 1.0 - self.dropout;
-        // FNV-1a of the name, mixed with the seed.
-        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-        let mut rng = StdRng::seed_from_u64(h ^ self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let mask: Vec<f32> =
-            (0..x.elem_count()).map(|_| if rng.random::<f64>() < keep { (1.0 / keep) as f32 } else { 0.0 }).collect();
-        x * Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?
-    }
-}
+use crate::recompute::{self, Stage};
+use crate::train_ops::TrainCtx;
 
 /// One training sequence: token ids, which of them are supervised, and its images.
 #[derive(Debug, Clone)]
@@ -182,67 +81,6 @@ struct Chain<'a> {
     x0: Tensor,
     stages: Vec<Stage<'a>>,
     supervised: usize,
-}
-
-/// `y (.., out) + bias (out)` with the bias frozen: the gradient passes to `y` only.
-struct FrozenBias(Vec<f64>);
-
-impl CustomOp1 for FrozenBias {
-    fn name(&self) -> &'static str {
-        "frozen_bias"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let d = self.0.len();
-        let Some((start, end)) = l.contiguous_offsets() else { bail!("frozen_bias: input must be contiguous") };
-        if l.dims().last() != Some(&d) {
-            bail!("frozen_bias: input {:?} does not end in the bias size {d}", l.dims());
-        }
-        let out = match s {
-            CpuStorage::F32(v) => {
-                CpuStorage::F32(v[start..end].iter().enumerate().map(|(i, &x)| x + self.0[i % d] as f32).collect())
-            }
-            CpuStorage::F64(v) => {
-                CpuStorage::F64(v[start..end].iter().enumerate().map(|(i, &x)| x + self.0[i % d]).collect())
-            }
-            _ => bail!("frozen_bias: only f32 and f64 are supported"),
-        };
-        Ok((out, l.shape().clone()))
-    }
-
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(grad_res.clone()))
-    }
-}
-
-impl Linear {
-    /// Training twin of [`Linear::forward`]: `x W^T + b` with `W`, `b` frozen, plus the active adapter's
-    /// `scale * (dropout(x) A^T) B^T`, differentiable through `A` and `B`.
-    /// In full training `W` and `b` are `Var`s: candle's own matmul and broadcast add, whose backward
-    /// gives their gradients.
-    pub(crate) fn forward_train(&self, x: &Tensor, ctx: &TrainCtx) -> candle_core::Result<Tensor> {
-        // (..., in) -> (..., out)
-        let y = match (ctx.full, &self.bias) {
-            (true, Some(b)) => matmul_t(x, &self.weight)?.broadcast_add(b)?,
-            (true, None) => matmul_t(x, &self.weight)?,
-            // On CUDA, in bf16 and with the references, candle's broadcast add: its extra bias gradient is
-            // one row of `out` floats.
-            (false, Some(b))
-                if !x.device().is_cpu() || ctx.reference() || !matches!(x.dtype(), DType::F32 | DType::F64) =>
-            {
-                ctx.frozen_linear(x, &self.weight)?.broadcast_add(b)?
-            }
-            (false, Some(b)) => ctx
-                .frozen_linear(x, &self.weight)?
-                .contiguous()?
-                .apply_op1(FrozenBias(b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?))?,
-            (false, None) => ctx.frozen_linear(x, &self.weight)?,
-        };
-        match self.lora.active_delta() {
-            Some(d) => y + d.forward(&ctx.dropout(&self.name, x)?)?,
-            None => Ok(y),
-        }
-    }
 }
 
 impl Qwen2Vl {
@@ -439,7 +277,9 @@ impl Qwen2Vl {
             return Err(ModelError::Train(format!("adapter `{m}` is merged; unmerge it before training")));
         }
         let p = self.active_adapter().and_then(|a| self.adapter(a)).map(|a| a.config.lora_dropout).unwrap_or(0.0);
-        Ok(TrainCtx { full: self.base_is_trainable(), ..TrainCtx::new(p, seed, self.kernels())? })
+        let mut ctx = TrainCtx::new(p, seed, self.kernels())?;
+        ctx.full = self.base_is_trainable();
+        Ok(ctx)
     }
 
     /// The training forward of `batch` as a chain of stages: the vision blocks, the merger with the

@@ -16,7 +16,7 @@ use crate::config::{Arch, VisionConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::layers::{activation, Linear};
-use crate::train::TrainCtx;
+use crate::train_ops::TrainCtx;
 
 /// RMSNorm (Qwen2.5-VL) or LayerNorm (Qwen2-VL), eps 1e-6 in both.
 enum Norm {

@@ -1,0 +1,184 @@
+//! The ops of the training forward: [`TrainCtx`] picks, op by op, what the vision tower and the decoder
+//! run when they are given one (`train: Option<&TrainCtx>`; `None` is the inference path).
+//!
+//! Key choice: by default the kernels' CustomOps with an explicit backward (`frozen_linear` for a base
+//! `W`, a frozen bias add, `rms_norm_frozen` / `layer_norm_frozen`, `attention`, `rope`), so that
+//! gradients flow through the LoRA `Var`s only and no base weight gets a gradient; in full training the
+//! ops' `Params::Trained` variants and candle's matmul; with `--kernels reference` ([`KernelChoice`]) the
+//! ops' plain-candle twins through candle's autograd. LoRA dropout (PEFT's `lora_dropout`) is inverted
+//! dropout on the adapter's input, seeded per layer. This sits below [`crate::text`] and
+//! [`crate::vision`], which take it; the loss and the trainable adapters are [`crate::train`].
+
+use askgui_kernels::{ops, AttentionMask};
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::device::KernelChoice;
+use crate::error::{ModelError, Result};
+use crate::layers::{matmul_t, Linear};
+
+/// State of one training forward: the LoRA dropout probability and its seed, and which ops run.
+pub struct TrainCtx {
+    dropout: f64,
+    seed: u64,
+    /// Full training: the base weights are `Var`s and get gradients ([`crate::Qwen2Vl::make_base_trainable`]).
+    pub(crate) full: bool,
+    kernels: KernelChoice,
+}
+
+impl TrainCtx {
+    pub(crate) fn new(dropout: f64, seed: u64, kernels: KernelChoice) -> Result<Self> {
+        if !(0.0..1.0).contains(&dropout) {
+            return Err(ModelError::Train(format!("lora_dropout is {dropout}; it must be in [0, 1)")));
+        }
+        Ok(Self { dropout, seed, full: false, kernels })
+    }
+
+    fn reference(&self) -> bool {
+        self.kernels == KernelChoice::Reference
+    }
+
+    /// RMSNorm of the training path: the op with a frozen weight, or with a trained one in full
+    /// training (`Params::Trained`), or the reference, whose autograd covers both.
+    pub(crate) fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+        match (self.reference(), self.full) {
+            (true, _) => askgui_kernels::rms_norm_reference(x, w, eps),
+            (false, true) => ops::rms_norm(x, w, eps),
+            (false, false) => ops::rms_norm_frozen(x, w, eps),
+        }
+    }
+
+    /// LayerNorm of the training path, like [`Self::rms_norm`].
+    pub(crate) fn layer_norm(&self, x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+        match (self.reference(), self.full) {
+            (true, _) => askgui_kernels::layer_norm_reference(x, w, b, eps),
+            (false, true) => ops::layer_norm(x, w, b, eps),
+            (false, false) => ops::layer_norm_frozen(x, w, b, eps),
+        }
+    }
+
+    /// Rotary embedding of the training path (the tables never need a gradient).
+    pub(crate) fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+        match self.reference() {
+            true => askgui_kernels::rope_reference(x, cos, sin),
+            false => ops::rope(x, cos, sin),
+        }
+    }
+
+    /// Attention of the training path. The reference keeps the `Tq x Tk` scores for the backward.
+    pub(crate) fn attention(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        mask: AttentionMask,
+        key_padding: Option<&Tensor>,
+        scale: f64,
+    ) -> candle_core::Result<Tensor> {
+        match self.reference() {
+            true => askgui_kernels::attention_reference(q, k, v, mask, key_padding, scale),
+            false => ops::attention(q, k, v, mask, key_padding, scale),
+        }
+    }
+
+    /// `x W^T` with `W` frozen. Through the reference candle's backward also computes (and drops) a
+    /// gradient for `W`: correct, one weight-sized buffer more per linear.
+    pub(crate) fn frozen_linear(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        match self.reference() {
+            true => ops::frozen_linear_reference(x, w),
+            false => ops::frozen_linear(x, w),
+        }
+    }
+
+    /// The mean masked next-token cross-entropy.
+    pub(crate) fn cross_entropy(&self, logits: &Tensor, labels: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        match self.reference() {
+            true => ops::cross_entropy_masked_reference(logits, labels, mask),
+            false => ops::cross_entropy_masked(logits, labels, mask),
+        }
+    }
+
+    /// Inverted dropout on the input of linear `name`: each element kept with probability `1 - p` and
+    /// scaled by `1 / (1 - p)`. The mask depends only on the seed and the layer's name (each linear runs
+    /// once per forward), so gradient checkpointing's recomputation draws the same mask.
+    fn dropout(&self, name: &str, x: &Tensor) -> candle_core::Result<Tensor> {
+        if self.dropout == 0.0 {
+            return Ok(x.clone());
+        }
+        let keep = 1.0 - self.dropout;
+        // FNV-1a of the name, mixed with the seed.
+        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        let mut rng = StdRng::seed_from_u64(h ^ self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mask: Vec<f32> =
+            (0..x.elem_count()).map(|_| if rng.random::<f64>() < keep { (1.0 / keep) as f32 } else { 0.0 }).collect();
+        x * Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?
+    }
+}
+
+/// `y (.., out) + bias (out)` with the bias frozen: the gradient passes to `y` only.
+struct FrozenBias(Vec<f64>);
+
+impl CustomOp1 for FrozenBias {
+    fn name(&self) -> &'static str {
+        "frozen_bias"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = self.0.len();
+        let Some((start, end)) = l.contiguous_offsets() else { bail!("frozen_bias: input must be contiguous") };
+        if l.dims().last() != Some(&d) {
+            bail!("frozen_bias: input {:?} does not end in the bias size {d}", l.dims());
+        }
+        let out = match s {
+            CpuStorage::F32(v) => {
+                CpuStorage::F32(v[start..end].iter().enumerate().map(|(i, &x)| x + self.0[i % d] as f32).collect())
+            }
+            CpuStorage::F64(v) => {
+                CpuStorage::F64(v[start..end].iter().enumerate().map(|(i, &x)| x + self.0[i % d]).collect())
+            }
+            _ => bail!("frozen_bias: only f32 and f64 are supported"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(grad_res.clone()))
+    }
+}
+
+impl Linear {
+    /// [`Self::forward`] (`train` None) or [`Self::forward_train`].
+    pub(crate) fn forward_with(&self, x: &Tensor, train: Option<&TrainCtx>) -> candle_core::Result<Tensor> {
+        match train {
+            None => self.forward(x),
+            Some(ctx) => self.forward_train(x, ctx),
+        }
+    }
+
+    /// Training twin of [`Linear::forward`]: `x W^T + b` with `W`, `b` frozen, plus the active adapter's
+    /// `scale * (dropout(x) A^T) B^T`, differentiable through `A` and `B`.
+    /// In full training `W` and `b` are `Var`s: candle's own matmul and broadcast add, whose backward
+    /// gives their gradients.
+    pub(crate) fn forward_train(&self, x: &Tensor, ctx: &TrainCtx) -> candle_core::Result<Tensor> {
+        // (..., in) -> (..., out)
+        let y = match (ctx.full, &self.bias) {
+            (true, Some(b)) => matmul_t(x, &self.weight)?.broadcast_add(b)?,
+            (true, None) => matmul_t(x, &self.weight)?,
+            // On CUDA, in bf16 and with the references, candle's broadcast add: its extra bias gradient is
+            // one row of `out` floats.
+            (false, Some(b))
+                if !x.device().is_cpu() || ctx.reference() || !matches!(x.dtype(), DType::F32 | DType::F64) =>
+            {
+                ctx.frozen_linear(x, &self.weight)?.broadcast_add(b)?
+            }
+            (false, Some(b)) => ctx
+                .frozen_linear(x, &self.weight)?
+                .contiguous()?
+                .apply_op1(FrozenBias(b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?))?,
+            (false, None) => ctx.frozen_linear(x, &self.weight)?,
+        };
+        match self.lora.active_delta() {
+            Some(d) => y + d.forward(&ctx.dropout(&self.name, x)?)?,
+            None => Ok(y),
+        }
+    }
+}
