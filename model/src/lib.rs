@@ -18,6 +18,7 @@ pub mod image;
 pub mod layers;
 pub mod lora;
 pub mod model;
+pub mod peft;
 pub mod random_init;
 pub mod recompute;
 pub mod text;

@@ -24,7 +24,7 @@ pub struct Qwen2Vl {
     pub eos_token_ids: Vec<u32>,
     pub device: Device,
     /// LoRA adapters held by the linear layers: which are loaded, active, merged ([`crate::lora`]).
-    pub(crate) lora: crate::lora::LoraState,
+    pub(crate) lora: crate::peft::LoraState,
 }
 
 /// M-RoPE positions of one unpadded prompt: `(t, h, w)` per token, and the next text position.

@@ -24,7 +24,7 @@ pub use crate::adapter_slot::master_dtype;
 use crate::adapter_slot::LoraDelta;
 use crate::error::{ModelError, Result};
 use crate::layers::{matmul_t, Linear};
-use crate::lora::{matches_target, Adapter, LoraConfig};
+use crate::peft::{matches_target, Adapter, LoraConfig};
 use crate::model::{mrope_positions, Qwen2Vl};
 use crate::recompute::{self, Stage};
 use crate::train_ops::TrainCtx;
