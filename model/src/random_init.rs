@@ -1,11 +1,12 @@
-//! Training from scratch: a random checkpoint for a config, and saving a model's base weights.
+//! Random initialisation: a checkpoint with random weights for a config, for training from scratch.
 //!
 //! [`random_weights`] lists every tensor the loader reads for a config (hub names and shapes, the same
 //! layout `Qwen2_5_VLForConditionalGeneration.save_pretrained` writes) and fills it as transformers'
 //! `_init_weights` does: linear, patch-embedding and embedding weights ~ N(0, 0.02) (`initializer_range`),
-//! biases 0, norm weights 1 (LayerNorm biases 0). [`write_checkpoint`] writes such tensors as
-//! `model.safetensors`; [`Qwen2Vl::save_base`] writes a model's current base weights the same way (after
-//! full training), so that [`Qwen2Vl::load`] reads the folder back.
+//! biases 0, norm weights 1 (LayerNorm biases 0), deterministic in the seed. [`write_checkpoint`] writes
+//! such tensors as `model.safetensors`, so that [`crate::Qwen2Vl::load`] reads the folder back (with a
+//! config.json beside it); after full training [`crate::Qwen2Vl::save_base`] writes a model's base weights
+//! the same way. `askgui-train --init-config` builds its random model with these two.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -16,7 +17,6 @@ use rand::{Rng, SeedableRng};
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::model::Qwen2Vl;
 
 /// transformers' default `initializer_range`.
 pub const INIT_STD: f64 = 0.02;
@@ -136,31 +136,6 @@ pub fn write_checkpoint(tensors: &[(String, Tensor)], dir: &Path) -> Result<()> 
     let path = dir.join("model.safetensors");
     candle_core::safetensors::save(&map, &path)
         .map_err(|e| ModelError::Checkpoint { dir: dir.to_path_buf(), reason: format!("cannot write: {e}") })
-}
-
-impl Qwen2Vl {
-    /// The base weights in the hub layout (the patch embedding back in its 5-D conv shape); with adapters
-    /// unmerged these are the weights the model was loaded with or trained to.
-    pub fn base_checkpoint_tensors(&self) -> Result<Vec<(String, Tensor)>> {
-        let v = &self.cfg.vision;
-        let conv = [v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size];
-        self.base_tensors()
-            .into_iter()
-            .map(|(n, t)| match n.as_str() {
-                "visual.patch_embed.proj.weight" => Ok((n, t.reshape(conv.as_slice())?)),
-                _ => Ok((n, t)),
-            })
-            .collect()
-    }
-
-    /// Writes the base weights as `dir/model.safetensors` (see [`Self::base_checkpoint_tensors`]); the
-    /// caller copies config.json and the tokenizer files beside it.
-    pub fn save_base(&self, dir: &Path) -> Result<()> {
-        if let Some(m) = self.merged_adapter() {
-            return Err(ModelError::Train(format!("adapter `{m}` is merged; unmerge it before saving the base")));
-        }
-        write_checkpoint(&self.base_checkpoint_tensors()?, dir)
-    }
 }
 
 #[cfg(test)]

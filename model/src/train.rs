@@ -26,6 +26,7 @@ use crate::error::{ModelError, Result};
 use crate::layers::{matmul_t, Linear};
 use crate::peft::{matches_target, Adapter, LoraConfig};
 use crate::model::{mrope_positions, Qwen2Vl};
+use crate::random_init::write_checkpoint;
 use crate::recompute::{self, Stage};
 use crate::train_ops::TrainCtx;
 
@@ -229,6 +230,29 @@ impl Qwen2Vl {
             return Err(ModelError::Train("the base weights are frozen; call make_base_trainable first".into()));
         }
         self.base_tensors().into_iter().map(|(n, t)| Ok((n, Var::from_tensor(&t)?))).collect()
+    }
+
+    /// The base weights in the hub layout (the patch embedding back in its 5-D conv shape); with adapters
+    /// unmerged these are the weights the model was loaded with or trained to.
+    pub fn base_checkpoint_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let v = &self.cfg.vision;
+        let conv = [v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size];
+        self.base_tensors()
+            .into_iter()
+            .map(|(n, t)| match n.as_str() {
+                "visual.patch_embed.proj.weight" => Ok((n, t.reshape(conv.as_slice())?)),
+                _ => Ok((n, t)),
+            })
+            .collect()
+    }
+
+    /// Writes the base weights as `dir/model.safetensors` (see [`Self::base_checkpoint_tensors`]); the
+    /// caller copies config.json and the tokenizer files beside it.
+    pub fn save_base(&self, dir: &Path) -> Result<()> {
+        if let Some(m) = self.merged_adapter() {
+            return Err(ModelError::Train(format!("adapter `{m}` is merged; unmerge it before saving the base")));
+        }
+        write_checkpoint(&self.base_checkpoint_tensors()?, dir)
     }
 
     /// One training step's forward and backward over `batch` with the active adapter: the masked
