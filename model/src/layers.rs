@@ -11,9 +11,9 @@ use askgui_kernels::{attention_reference, ops, AttentionMask};
 use candle_core::{DType, Result, Tensor};
 
 use crate::adapter_slot::LoraSlot;
-use crate::weights::Weights;
 use crate::config::VisionAct;
 use crate::device::KernelChoice;
+use crate::weights::Weights;
 
 /// `y = x W^T + b (+ scale * (x A^T) B^T for the active LoRA adapter)` with `W (out, in)`.
 #[derive(Debug, Clone)]
@@ -27,7 +27,7 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn load(w: &Weights, name: &str, in_dim: usize, out_dim: usize, bias: bool) -> crate::Result<Self> {
+    pub fn load(w: &Weights, name: &str, in_dim: usize, out_dim: usize, bias: bool) -> crate::error::Result<Self> {
         Ok(Self {
             name: name.to_string(),
             lora: LoraSlot::default(),

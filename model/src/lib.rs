@@ -2,11 +2,15 @@
 //!
 //! Weight and tokenizer loading ([`weights`], [`chat`]), image preprocessing equal to transformers'
 //! `Qwen2VLImageProcessor` ([`image`]), the vision tower ([`vision`]), the M-RoPE decoder with a KV cache
-//! ([`text`]), the model that joins them ([`model`]) and batched generation ([`generate`]). The crate knows
-//! nothing about GUI actions. Correctness is measured against Hugging Face transformers on tiny random
-//! checkpoints made by `scripts/fixtures/make_fixtures.py` (see `tests/parity.rs`). PEFT-format LoRA adapters are
-//! loaded, applied, merged and saved by [`lora`] (parity with PEFT in `tests/lora.rs`), and trained through
-//! [`train`] (loss and gradients against PEFT in `tests/lora_grad.rs`).
+//! ([`text`]), the model that joins them ([`model`]) and batched generation ([`generate`]). PEFT-format LoRA
+//! adapters ([`peft`]) are loaded, applied, merged and saved by [`lora`] (parity with PEFT in
+//! `tests/lora.rs`) and trained through [`train`] (loss and gradients against PEFT in `tests/lora_grad.rs`).
+//! The crate knows nothing about GUI actions. Correctness is measured against Hugging Face transformers on
+//! tiny random checkpoints made by `scripts/fixtures/make_fixtures.py` (see `tests/parity.rs`).
+//!
+//! Modules import only downwards, in this order: [`error`]; [`adapter_slot`], [`config`], [`device`],
+//! [`weights`], [`image`], [`peft`], [`recompute`]; [`chat`], [`layers`], [`random_init`]; [`train_ops`];
+//! [`text`], [`vision`]; [`model`]; [`lora`], [`generate`], [`train`].
 
 pub mod adapter_slot;
 pub mod chat;
@@ -28,12 +32,12 @@ pub mod vision;
 pub mod weights;
 
 pub use chat::{render_chat, Content, Message, QwenTokenizer};
-pub use weights::{CheckpointFiles, Weights};
 pub use config::{Arch, ModelConfig};
 pub use device::{pin_cpu_threads, DTypeChoice, DeviceKind, KernelChoice, LoadOptions};
 pub use error::{ModelError, Result};
 pub use generate::{generate, FinishReason, Generation, Prompt, SamplingParams, Timings};
 pub use image::{load_image, preprocess, preprocess_batch, ImageProcessorConfig, PreprocessedBatch, ProcessedImage};
-pub use lora::{AdapterLayout, LoraConfig};
 pub use model::{mrope_positions, Qwen2Vl};
+pub use peft::{AdapterLayout, LoraConfig};
 pub use train::{master_dtype, StepOptions, StepOutput, TrainExample};
+pub use weights::{CheckpointFiles, Weights};

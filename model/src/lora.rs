@@ -19,8 +19,8 @@ use std::path::Path;
 pub use crate::adapter_slot::{LoraDelta, LoraSlot};
 use crate::error::{ModelError, Result};
 use crate::model::Qwen2Vl;
-pub use crate::peft::{Adapter, AdapterLayout, LoraConfig, LoraState, TargetModules, CONFIG_FILE, WEIGHTS_FILE};
 use crate::peft::{read_adapter, write_adapter};
+pub use crate::peft::{Adapter, AdapterLayout, LoraConfig, LoraState, TargetModules, CONFIG_FILE, WEIGHTS_FILE};
 
 impl Qwen2Vl {
     /// Loads the PEFT adapter in `dir` under `name`, checked against this model. It is not activated:

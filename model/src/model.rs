@@ -3,14 +3,14 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::weights::{CheckpointFiles, Weights};
+use crate::chat::QwenTokenizer;
 use crate::config::{Arch, ModelConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::image::ImageProcessorConfig;
 use crate::text::{KvCache, TextDecoder};
 use crate::vision::VisionTower;
-use crate::QwenTokenizer;
+use crate::weights::{CheckpointFiles, Weights};
 
 pub struct Qwen2Vl {
     pub cfg: ModelConfig,

@@ -8,12 +8,12 @@
 use askgui_kernels::{mrope_cos_sin_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
-use crate::weights::Weights;
 use crate::config::TextConfig;
 use crate::device::KernelChoice;
 use crate::error::Result;
 use crate::layers::Linear;
 use crate::train_ops::TrainCtx;
+use crate::weights::Weights;
 
 struct Layer {
     input_norm: Tensor,

@@ -11,12 +11,12 @@
 use askgui_kernels::AttentionMask;
 use candle_core::{DType, Device, Tensor};
 
-use crate::weights::Weights;
 use crate::config::{Arch, VisionConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::layers::{activation, Linear};
 use crate::train_ops::TrainCtx;
+use crate::weights::Weights;
 
 /// RMSNorm (Qwen2.5-VL) or LayerNorm (Qwen2-VL), eps 1e-6 in both.
 enum Norm {
