@@ -2,15 +2,16 @@
 //!
 //! Weight and tokenizer loading ([`weights`], [`chat`]), image preprocessing equal to transformers'
 //! `Qwen2VLImageProcessor` ([`image`]), the vision tower ([`vision`]), the M-RoPE decoder with a KV cache
-//! ([`text`]), the model that joins them ([`model`]) and batched generation ([`generate`]). PEFT-format LoRA
-//! adapters ([`peft`]) are loaded, applied, merged and saved by [`lora`] (parity with PEFT in
-//! `tests/lora.rs`) and trained through [`train`] (loss and gradients against PEFT in `tests/lora_grad.rs`).
-//! The crate knows nothing about GUI actions. Correctness is measured against Hugging Face transformers on
-//! tiny random checkpoints made by `scripts/fixtures/make_fixtures.py` (see `tests/parity.rs`).
+//! ([`text`]), the model that joins them ([`model`]) and batched generation ([`generate`](mod@generate)).
+//! PEFT-format LoRA adapters ([`peft`]) are loaded, applied, merged and saved by [`lora`] (parity with PEFT
+//! in `tests/lora.rs`) and trained through [`train`] (loss and gradients against PEFT in
+//! `tests/lora_grad.rs`). The crate knows nothing about GUI actions. Correctness is measured against
+//! Hugging Face transformers on tiny random checkpoints made by `scripts/fixtures/make_fixtures.py` (see
+//! `tests/parity.rs`).
 //!
 //! Modules import only downwards, in this order: [`error`]; [`adapter_slot`], [`config`], [`device`],
 //! [`weights`], [`image`], [`peft`], [`recompute`]; [`chat`], [`layers`], [`random_init`]; [`train_ops`];
-//! [`text`], [`vision`]; [`model`]; [`lora`], [`generate`], [`train`].
+//! [`text`], [`vision`]; [`model`]; [`lora`], [`generate`](mod@generate), [`train`].
 
 pub mod adapter_slot;
 pub mod chat;
