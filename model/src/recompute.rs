@@ -1,19 +1,16 @@
 //! Recomputation (gradient checkpointing): the training forward as a chain of stages, each recomputed in
 //! the backward.
 //!
-//! candle has no gradient checkpointing: its backward needs every intermediate of the graph alive at once,
-//! which for a VLM on a screenshot is gigabytes. Here the forward is a chain
-//! `x_0 -> stage_0 -> x_1 -> ... -> stage_{n-1} -> loss` (one stage per transformer block). With
-//! checkpointing, the forward keeps only the stage inputs `x_i`; the backward walks the stages in reverse,
-//! recomputes stage `i` from `x_i` as a fresh leaf and backpropagates `sum(stage_i(x_i) * g_{i+1})` plus
-//! the stage's side loss (a stage may add one to the chain's loss, e.g. an auxiliary loss on an
-//! intermediate layer), which gives `g_i` and the stage's parameter gradients. Peak memory is
-//! the stage inputs plus one stage's graph; the cost is one more forward of every stage but the last.
-//! Without checkpointing the same chain runs as one graph, so the two modes are tested against each other.
-//! Stages before the first one with parameters run once, without a graph. Either way the returned
-//! [`GradStore`] holds the parameters' gradients and nothing else (candle's own store also keeps gradients
-//! of constants such as rotary tables and dropout masks). Reference: Chen et al. 2016, "Training Deep Nets
-//! with Sublinear Memory Cost".
+//! candle has no gradient checkpointing: its backward keeps every intermediate alive, gigabytes for a VLM
+//! on a screenshot. The forward here is a chain `x_0 -> stage_0 -> x_1 -> ... -> loss` (one stage per
+//! transformer block). Key choice: the forward keeps only the stage inputs `x_i`; the backward recomputes
+//! stage `i` from `x_i` as a fresh leaf and backpropagates `sum(stage_i(x_i) * g_{i+1})` plus the stage's
+//! side loss (e.g. an auxiliary loss on an intermediate layer), which gives `g_i` and the stage's parameter
+//! gradients. Peak memory is the stage inputs plus one stage's graph; the cost, one more forward of every
+//! stage but the last. Without checkpointing the same chain runs as one graph, so the two modes are tested
+//! against each other. Stages before the first with parameters run once, without a graph. The returned
+//! [`GradStore`] holds the parameters' gradients only (candle's own also keeps those of constants such as
+//! rotary tables). Reference: Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost".
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
