@@ -9,6 +9,8 @@ use std::path::PathBuf;
 use askgui_data::{Action, Element, Platform, Screen, Turn};
 use thiserror::Error;
 
+use crate::identity::AgentIdentity;
+
 /// What the agent sees at one step.
 #[derive(Debug, Clone)]
 pub struct StepInput {
@@ -59,5 +61,10 @@ pub enum AgentError {
 pub trait Agent: Send + Sync {
     /// A short name for reports (model dir, endpoint URL and model name).
     fn name(&self) -> String;
+    /// Everything that can change the answers; a results folder is continued only by an equal identity.
+    /// An agent that only has a name is keyed on it.
+    fn identity(&self) -> AgentIdentity {
+        AgentIdentity::custom(self.name())
+    }
     fn predict(&self, input: &StepInput) -> Result<Prediction, AgentError>;
 }

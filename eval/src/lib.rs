@@ -2,13 +2,14 @@
 //!
 //! [`agent`] is the boundary to the agent under test and [`backends`] its implementations (in-process
 //! model, OpenAI-compatible endpoint, askgui-serve's agent API); [`matching`] decides whether a predicted
-//! step is right;
-//! [`modes`] runs standard, Dual-Stream and strict evaluation over an episode; [`metrics`] aggregates;
-//! [`runner`] runs a whole file with concurrency and resumable results; [`report`] writes JSON, Markdown
-//! and plots; [`text`] holds the ASK-content metrics (all-MiniLM-L6-v2 cosine in candle, METEOR).
+//! step is right; [`modes`] runs standard, Dual-Stream and strict evaluation over an episode; [`metrics`]
+//! aggregates; [`runner`] runs a whole file with concurrency and resumable results, keyed on the run's
+//! [`identity`]; [`report`] writes JSON, Markdown and plots; [`text`] holds the ASK-content metrics
+//! (all-MiniLM-L6-v2 cosine in candle, METEOR).
 
 pub mod agent;
 pub mod backends;
+pub mod identity;
 pub mod matching;
 pub mod metrics;
 pub mod modes;

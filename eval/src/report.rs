@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::identity::{Decoding, RunIdentity};
 use crate::matching::MatchConfig;
 use crate::metrics::{Metric, ModeMetrics};
 use crate::modes::Mode;
@@ -21,10 +22,16 @@ pub enum ReportError {
     Io { path: PathBuf, source: std::io::Error },
 }
 
+/// The files [`write_report`] writes.
+pub const REPORT_FILES: [&str; 4] = ["report.json", "report.md", "step_accuracy.svg", "ask_offset.svg"];
+
 /// Everything `report.json` holds.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Report {
+    /// The agent's short name.
     pub agent: String,
+    /// Who answered and how the answers were scored (also the results folder's `identity.json`).
+    pub identity: RunIdentity,
     pub episodes_file: String,
     pub matching: MatchConfig,
     pub modes: Vec<ModeMetrics>,
@@ -39,14 +46,9 @@ impl Report {
 /// Writes `report.json`, `report.md`, `step_accuracy.svg` and `ask_offset.svg` into `dir`; returns their paths.
 pub fn write_report(dir: &Path, report: &Report) -> Result<Vec<PathBuf>, ReportError> {
     let json = serde_json::to_string_pretty(report).unwrap_or_default();
-    let files = [
-        ("report.json", json + "\n"),
-        ("report.md", markdown(report)),
-        ("step_accuracy.svg", step_accuracy_svg(&report.modes)),
-        ("ask_offset.svg", ask_offset_svg(report)),
-    ];
+    let texts = [json + "\n", markdown(report), step_accuracy_svg(&report.modes), ask_offset_svg(report)];
     let mut out = Vec::new();
-    for (name, text) in files {
+    for (name, text) in REPORT_FILES.into_iter().zip(texts) {
         let path = dir.join(name);
         std::fs::write(&path, text).map_err(|source| ReportError::Io { path: path.clone(), source })?;
         out.push(path);
@@ -80,11 +82,39 @@ fn metric_cell(m: Option<&Metric>, notes: &mut Vec<String>) -> String {
     }
 }
 
+/// The decoding in words, e.g. `greedy, at most 128 new tokens`.
+fn decoding_text(d: &Decoding) -> String {
+    let mut parts = vec![match d.temperature {
+        Some(0.0) => "greedy".to_string(),
+        Some(t) => format!("temperature {t}"),
+        None => "the agent's own temperature".to_string(),
+    }];
+    if let Some(n) = d.max_new_tokens {
+        parts.push(format!("at most {n} new tokens"));
+    }
+    if let Some(seed) = d.seed {
+        parts.push(format!("seed {seed}"));
+    }
+    if d.constrain == Some(true) {
+        parts.push("constrained to the action schema".into());
+    }
+    if let Some(p) = d.pause_threshold {
+        parts.push(format!("pause threshold {p}"));
+    }
+    parts.join(", ")
+}
+
 /// The Markdown report.
 pub fn markdown(report: &Report) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "# askgui-eval report\n");
     let _ = writeln!(s, "Agent: `{}`; episodes: `{}`.\n", report.agent, report.episodes_file);
+    let agent = &report.identity.agent;
+    if let Some(adapter) = &agent.adapter {
+        let fingerprint = agent.adapter_fingerprint.as_ref().map_or(String::new(), |f| format!(" ({f})"));
+        let _ = writeln!(s, "Adapter: `{adapter}`{fingerprint}.\n");
+    }
+    let _ = writeln!(s, "Decoding: {}. The full identity is in `report.json`.\n", decoding_text(&agent.decoding));
     let mut notes = Vec::new();
     let rows: Vec<&ModeMetrics> = Mode::TABLE.iter().filter_map(|m| report.mode(*m)).collect();
     if !rows.is_empty() {
@@ -324,14 +354,29 @@ pub fn ask_offset_svg(report: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::identity::AgentIdentity;
     use crate::metrics::{compute, NoContentScorer};
 
     #[test]
     fn empty_report_renders() {
         let none = NoContentScorer("no model".into());
         let modes: Vec<ModeMetrics> = Mode::ALL.iter().map(|m| compute(*m, &[], &none)).collect();
-        let r = Report { agent: "a<b".into(), episodes_file: "x".into(), matching: MatchConfig::default(), modes };
+        let mut agent = AgentIdentity::custom("a<b".into());
+        agent.adapter = Some("/adapters/v2".into());
+        agent.decoding = Decoding::greedy(16);
+        let identity = RunIdentity { agent, matching: MatchConfig::default(), episodes: "x".into() };
+        let r = Report {
+            agent: "a<b".into(),
+            identity,
+            episodes_file: "x".into(),
+            matching: MatchConfig::default(),
+            modes,
+        };
         let md = markdown(&r);
+        assert!(
+            md.contains("Adapter: `/adapters/v2`.") && md.contains("Decoding: greedy, at most 16 new tokens."),
+            "{md}"
+        );
         assert!(md.contains("| +Dual eval | – | – |"), "{md}");
         assert!(md.contains("n/a[^1]") && md.contains("[^1]: unavailable: no model"), "{md}");
         let svg = ask_offset_svg(&r);

@@ -7,6 +7,11 @@
 //! dropped and its episode redone; any other bad line is an error (the file is not ours to repair).
 //! An agent error stops the run: no new episode starts, those in flight finish and are written, and the
 //! error is returned, so running the same command again continues where it stopped.
+//!
+//! Results are only continued by the same run: `identity.json` ([`crate::identity`]) holds the agent and
+//! scoring of the results beside it, and [`run_eval`] refuses a folder whose identity differs, or that
+//! holds results without one (made before runs were keyed), naming each field that differs.
+//! [`discard_results`] clears a folder for a fresh run.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -20,6 +25,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use thiserror::Error;
 
 use crate::agent::{Agent, AgentError};
+use crate::identity::{self, Difference, RunIdentity, IDENTITY_FILE};
 use crate::matching::MatchConfig;
 use crate::metrics::{compute, ContentScorer};
 use crate::modes::{evaluate_episode, EpisodeResult, Mode};
@@ -51,6 +57,27 @@ pub enum RunError {
     Episodes(EpisodeError),
     #[error("{0}")]
     Report(ReportError),
+    #[error(
+        "{} holds results of another run ({}); use a new --out, or --restart to discard them and run again",
+        out.display(),
+        list(differences)
+    )]
+    OtherRun { out: PathBuf, differences: Vec<Difference> },
+    #[error(
+        "{} holds results without an {IDENTITY_FILE} (made before runs were keyed on the agent), so whose they \
+         are is unknown; use a new --out, or --restart to discard them and run again",
+        out.display()
+    )]
+    Unkeyed { out: PathBuf },
+    #[error("{0} is not a run identity; use a new --out, or --restart to discard the results there")]
+    BadIdentity(String),
+}
+
+/// `field: stored X, now Y; ...`
+fn list(differences: &[Difference]) -> String {
+    let items: Vec<String> =
+        differences.iter().map(|d| format!("{}: stored {}, now {}", d.field, d.stored, d.now)).collect();
+    items.join("; ")
 }
 
 /// A whole evaluation: which file, where to write, which modes.
@@ -82,6 +109,9 @@ pub fn run_eval(
     scorer: &dyn ContentScorer,
 ) -> Result<Report, RunError> {
     std::fs::create_dir_all(&cfg.out).map_err(|source| RunError::Io { path: cfg.out.clone(), source })?;
+    let identity =
+        RunIdentity { agent: agent.identity(), matching: cfg.matching, episodes: identity::canonical(&cfg.episodes) };
+    claim(&cfg.out, &identity)?;
     let empty = episodes.iter().filter(|e| e.episode.steps.is_empty()).count();
     if empty > 0 {
         tracing::warn!(empty, "episodes without steps are counted and left out of every metric");
@@ -93,12 +123,50 @@ pub fn run_eval(
     }
     let report = Report {
         agent: agent.name(),
+        identity,
         episodes_file: cfg.episodes.display().to_string(),
         matching: cfg.matching,
         modes,
     };
     write_report(&cfg.out, &report).map_err(RunError::Report)?;
     Ok(report)
+}
+
+/// Makes `out` the folder of the run `id`: refuses it when it holds results of another run or results
+/// without an identity; records `id` when it holds no results.
+pub fn claim(out: &Path, id: &RunIdentity) -> Result<(), RunError> {
+    if !Mode::ALL.iter().any(|m| results_path(out, *m).exists()) {
+        // Nothing to continue: this run's identity replaces whatever is there.
+        return identity::write(out, id)
+            .map(|_| ())
+            .map_err(|source| RunError::Io { path: out.join(IDENTITY_FILE), source });
+    }
+    let Some(stored) = identity::read(out).map_err(RunError::BadIdentity)? else {
+        return Err(RunError::Unkeyed { out: out.to_path_buf() });
+    };
+    let differences = identity::differences(&stored, id);
+    if differences.is_empty() {
+        Ok(())
+    } else {
+        Err(RunError::OtherRun { out: out.to_path_buf(), differences })
+    }
+}
+
+/// Removes what a run writes into `out` (results of every mode, identity, reports) and nothing else;
+/// returns the files removed.
+pub fn discard_results(out: &Path) -> Result<Vec<PathBuf>, RunError> {
+    let mut files: Vec<PathBuf> = Mode::ALL.iter().map(|m| results_path(out, *m)).collect();
+    files.push(out.join(IDENTITY_FILE));
+    files.extend(crate::report::REPORT_FILES.iter().map(|f| out.join(f)));
+    let mut removed = Vec::new();
+    for f in files {
+        match std::fs::remove_file(&f) {
+            Ok(()) => removed.push(f),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(RunError::Io { path: f, source }),
+        }
+    }
+    Ok(removed)
 }
 
 /// Runs `episodes` in `mode`, continuing the results file at `results`; returns every episode's result in

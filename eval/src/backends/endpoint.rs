@@ -21,6 +21,7 @@ use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, ApiError, Obse
 
 use super::http::{post_json, snippet, with_retries, Failure};
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
+use crate::identity::{AgentIdentity, Decoding, PromptIdentity};
 
 /// Everything the backend needs to reach an askgui-serve server.
 #[derive(Debug, Clone)]
@@ -143,6 +144,20 @@ impl Agent for EndpointAgent {
         match &self.cfg.adapter {
             Some(adapter) => format!("askgui-serve {adapter} @ {base}"),
             None => format!("askgui-serve @ {base}"),
+        }
+    }
+
+    /// The server builds the prompt from its own settings: only the element list is ours to send.
+    fn identity(&self) -> AgentIdentity {
+        AgentIdentity {
+            backend: "askgui-serve".into(),
+            model: None,
+            url: Some(self.url.clone()),
+            adapter: self.cfg.adapter.clone(),
+            adapter_fingerprint: None,
+            decoding: Decoding::greedy(self.cfg.max_tokens),
+            prompt: PromptIdentity { elements: self.cfg.elements, ..Default::default() },
+            runtime: None,
         }
     }
 

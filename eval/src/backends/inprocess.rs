@@ -16,9 +16,11 @@ use askgui_model::{
     generate, load_image, preprocess, LoadOptions, ModelError, ProcessedImage, Prompt, Qwen2Vl, QwenTokenizer,
     SamplingParams,
 };
+use candle_core::Device;
 
 use super::{frame_for, messages_for, prediction_from_reply, prompt_screenshots};
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
+use crate::identity::{adapter_fingerprint, canonical, AgentIdentity, Decoding, PromptIdentity, Runtime};
 
 struct Loaded {
     model: Qwen2Vl,
@@ -29,6 +31,7 @@ struct Loaded {
 pub struct InProcessAgent {
     inner: Mutex<Loaded>,
     name: String,
+    identity: AgentIdentity,
     prompt: PromptConfig,
     max_new_tokens: usize,
     stop_tokens: Vec<u32>,
@@ -66,7 +69,22 @@ impl InProcessAgent {
             m.load_adapter("adapter", dir).map_err(model_err)?;
             m.merge_and_unload("adapter").map_err(model_err)?;
         }
-        Self::from_model(m, prompt, max_new_tokens)
+        let mut agent = Self::from_model(m, prompt, max_new_tokens)?;
+        let local = Path::new(model).is_dir();
+        if !local {
+            // A hub id names its revision through the snapshot folder the files came from.
+            let inner = agent.inner.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let snapshot = inner.model.files.dir.file_name().map(|s| s.to_string_lossy().into_owned());
+            agent.identity.model = Some(format!("{model}@{}", snapshot.unwrap_or_default()));
+        }
+        if let Some(dir) = adapter {
+            let fingerprint =
+                adapter_fingerprint(dir).map_err(|e| AgentError::Model(format!("adapter {}: {e}", dir.display())))?;
+            agent.identity.adapter = Some(canonical(dir));
+            agent.identity.adapter_fingerprint = Some(fingerprint);
+            agent.name = format!("{} + adapter {}", agent.name, dir.display());
+        }
+        Ok(agent)
     }
 
     /// Wraps a loaded model; stops on the checkpoint's end-of-sequence ids and `<|im_end|>`.
@@ -79,7 +97,8 @@ impl InProcessAgent {
             }
         }
         let name = format!("in-process {}", model.files.dir.display());
-        Ok(Self { inner: Mutex::new(Loaded { model, tokenizer }), name, prompt, max_new_tokens, stop_tokens })
+        let identity = identity_of(&model, &prompt, max_new_tokens);
+        Ok(Self { inner: Mutex::new(Loaded { model, tokenizer }), name, identity, prompt, max_new_tokens, stop_tokens })
     }
 
     /// Gives the model back, with its adapters as they are (a trainer lends its model for a periodic eval).
@@ -150,9 +169,43 @@ impl InProcessAgent {
     }
 }
 
+/// The identity of `model` answering greedily with `prompt`: its folder, the adapter it runs by name (a
+/// lent model's; [`InProcessAgent::load`] puts the directory and fingerprint instead), the pixel bounds of
+/// its own processor, its device, dtype and kernels.
+fn identity_of(model: &Qwen2Vl, prompt: &PromptConfig, max_new_tokens: usize) -> AgentIdentity {
+    let ic = &model.image_config;
+    let device = match &model.device {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
+        Device::Metal(_) => "metal",
+    };
+    AgentIdentity {
+        backend: "in-process".into(),
+        model: Some(canonical(&model.files.dir)),
+        url: None,
+        adapter: model.merged_adapter().or(model.active_adapter()).map(str::to_string),
+        adapter_fingerprint: None,
+        decoding: Decoding::greedy(max_new_tokens),
+        prompt: PromptIdentity {
+            min_pixels: Some(ic.min_pixels),
+            max_pixels: Some(ic.max_pixels),
+            ..PromptIdentity::of(prompt)
+        },
+        runtime: Some(Runtime {
+            device: device.into(),
+            dtype: format!("{:?}", model.dtype()).to_lowercase(),
+            kernels: model.kernels(),
+        }),
+    }
+}
+
 impl Agent for InProcessAgent {
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    fn identity(&self) -> AgentIdentity {
+        self.identity.clone()
     }
 
     fn predict(&self, input: &StepInput) -> Result<Prediction, AgentError> {

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
+use crate::identity::AgentIdentity;
 
 /// Wraps a deterministic agent; answers repeated inputs from memory.
 pub struct MemoAgent<A> {
@@ -43,6 +44,10 @@ impl<A: Agent> MemoAgent<A> {
 impl<A: Agent> Agent for MemoAgent<A> {
     fn name(&self) -> String {
         self.inner.name()
+    }
+
+    fn identity(&self) -> AgentIdentity {
+        self.inner.identity()
     }
 
     fn predict(&self, input: &StepInput) -> Result<Prediction, AgentError> {

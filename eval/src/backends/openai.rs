@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use super::http::{post_json, snippet, with_retries, Failure};
 use super::{frame_for, messages_for, prediction_from_reply, prompt_screenshots};
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
+use crate::identity::{AgentIdentity, Decoding, PromptIdentity};
 
 /// Everything the backend needs to reach an endpoint.
 #[derive(Debug, Clone)]
@@ -143,6 +144,19 @@ impl OpenAiAgent {
 impl Agent for OpenAiAgent {
     fn name(&self) -> String {
         format!("{} @ {}", self.cfg.model, self.cfg.base.trim_end_matches('/'))
+    }
+
+    fn identity(&self) -> AgentIdentity {
+        AgentIdentity {
+            backend: "openai".into(),
+            model: Some(self.cfg.model.clone()),
+            url: Some(self.url.clone()),
+            adapter: None,
+            adapter_fingerprint: None,
+            decoding: Decoding::greedy(self.cfg.max_tokens),
+            prompt: PromptIdentity::of(&self.cfg.prompt),
+            runtime: None,
+        }
     }
 
     fn predict(&self, input: &StepInput) -> Result<Prediction, AgentError> {
