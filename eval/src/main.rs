@@ -9,7 +9,7 @@ use askgui_data::load_episodes;
 use askgui_eval::backends::{self, BackendArgs};
 use askgui_eval::matching::MatchConfig;
 use askgui_eval::modes::Mode;
-use askgui_eval::runner::{run_eval, EvalConfig, RunOptions};
+use askgui_eval::runner::{discard_results, run_eval, EvalConfig, RunOptions};
 use askgui_eval::text::{score_text_file, TextMetrics};
 use clap::{Args, Parser, Subcommand};
 
@@ -53,9 +53,13 @@ struct RunArgs {
     /// The episode file (JSONL).
     #[arg(long)]
     episodes: PathBuf,
-    /// Output folder; results files already there are continued, not redone.
+    /// Output folder. Results already there are continued when the same agent and settings made them,
+    /// refused otherwise (see --restart).
     #[arg(long)]
     out: PathBuf,
+    /// Discard the results, identity and reports already in --out, then run from the start.
+    #[arg(long)]
+    restart: bool,
     /// Modes to run, comma-separated: original, incomplete, standard (alias ask), dual, strict.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "standard,dual,strict", conflicts_with = "table")]
     modes: Vec<Mode>,
@@ -112,6 +116,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 matching: a.matching,
                 run: RunOptions { concurrency: a.concurrency, progress: !a.no_progress },
             };
+            if a.restart {
+                let removed = discard_results(&cfg.out)?;
+                eprintln!("--restart: discarded {} files in {}", removed.len(), cfg.out.display());
+            }
             let report = run_eval(agent.as_ref(), &episodes, &cfg, &text)?;
             print!("{}", askgui_eval::report::markdown(&report));
             eprintln!("reports written to {}", cfg.out.display());

@@ -1,9 +1,11 @@
 //! End to end through the `askgui-eval` binary: synthetic episodes from askgui-data, scored (a) against a
 //! real HTTP endpoint started here (an OpenAI-compatible server that always answers `done`, so every
 //! number of the report is known in advance) and (b) with the in-process backend on the tiny random
-//! checkpoint of askgui-model's fixtures. askgui-serve does not exist yet; when it does, it replaces (a)'s
-//! stand-in server.
+//! checkpoint of askgui-model's fixtures (with its two test LoRA adapters). Also resuming: an `--out` made
+//! by another agent or decoding is refused with the field that differs, `--restart` discards it.
 
+use std::ffi::OsStr;
+use std::fmt::Debug;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -78,7 +80,15 @@ fn done_server() -> (String, Arc<AtomicUsize>) {
     (url, count)
 }
 
-fn run(args: &[&str]) -> std::process::Output {
+/// Runs the binary and expects it to refuse (exit 2); returns its stderr.
+fn refused<S: AsRef<OsStr> + Debug>(args: &[S]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_askgui-eval")).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "askgui-eval {args:?} should be refused:\n{stderr}");
+    stderr
+}
+
+fn run<S: AsRef<OsStr> + Debug>(args: &[S]) -> std::process::Output {
     let out = Command::new(env!("CARGO_BIN_EXE_askgui-eval")).args(args).output().unwrap();
     assert!(
         out.status.success(),
@@ -151,4 +161,90 @@ fn in_process_model_run() -> anyhow::Result<()> {
     // A random model writes no valid action: every step is wrong, and that is measured, not an error.
     assert_eq!(report["modes"][0]["correct_steps"], 0);
     Ok(())
+}
+
+#[test]
+fn an_out_made_with_other_settings_is_refused_and_not_asked_again() -> anyhow::Result<()> {
+    let dir = tmp("other-settings");
+    let file = episodes(&dir.join("data"));
+    let out = dir.join("run");
+    let (url, calls) = done_server();
+    let (f, o) = (file.to_str().unwrap(), out.to_str().unwrap());
+    let args = |tokens: &'static str| {
+        let base = ["run", "--episodes", f, "--out", o, "--openai-base", &url, "--openai-model", "always-done"];
+        let mut v: Vec<&str> = base.to_vec();
+        v.extend(["--modes", "standard", "--max-new-tokens", tokens]);
+        v
+    };
+    run(&args("128"));
+    let before = calls.load(Ordering::SeqCst);
+
+    let err = refused(&args("64"));
+    assert!(err.contains("agent.decoding.max_new_tokens: stored 128, now 64"), "{err}");
+    assert!(err.contains("use a new --out, or --restart"), "{err}");
+    assert_eq!(calls.load(Ordering::SeqCst), before, "a refused run asks nothing");
+
+    // Results from before runs were keyed (no identity.json) are refused too.
+    std::fs::remove_file(out.join("identity.json"))?;
+    let err = refused(&args("128"));
+    assert!(err.contains("without an identity.json"), "{err}");
+    assert_eq!(calls.load(Ordering::SeqCst), before);
+    Ok(())
+}
+
+#[test]
+fn another_adapter_is_refused_the_same_resumes_and_restart_reruns() -> anyhow::Result<()> {
+    let dir = tmp("adapter");
+    let file = episodes(&dir.join("data"));
+    let n = load_episodes(&file)?.len();
+    let out = dir.join("run");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures");
+    let model = fixtures.join("tiny-qwen2_5_vl");
+    let (a, b) = (fixtures.join("lora/tiny-qwen2_5_vl-peft"), fixtures.join("lora/tiny-qwen2_5_vl-peft-qv"));
+    let args = |adapter: &Path, extra: &[&'static str]| -> Vec<String> {
+        let mut v: Vec<String> = ["run", "--episodes", file.to_str().unwrap(), "--out", out.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        for s in ["--model", model.to_str().unwrap(), "--adapter", adapter.to_str().unwrap()] {
+            v.push(s.into());
+        }
+        v.extend(["--max-new-tokens", "2", "--modes", "standard"].iter().map(|s| s.to_string()));
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let results = out.join("results-standard.jsonl");
+
+    run(&args(&a, &[]));
+    let first = std::fs::read_to_string(&results)?;
+    assert_eq!(first.lines().count(), n);
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json"))?)?;
+    let agent = &report["identity"]["agent"];
+    assert_eq!(agent["adapter"], identity_path(&a));
+    assert!(agent["adapter_fingerprint"].as_str().is_some_and(|f| f.contains("fnv1a64")), "{agent}");
+    assert_eq!(agent["decoding"]["max_new_tokens"], 2);
+    assert!(std::fs::read_to_string(out.join("report.md"))?.contains("Adapter: `"));
+
+    let err = refused(&args(&b, &[]));
+    assert!(err.contains("agent.adapter: stored "), "{err}");
+    assert!(err.contains("agent.adapter_fingerprint: stored "), "{err}");
+    assert!(err.contains("--restart"), "{err}");
+
+    // The same agent resumes: every episode is done, nothing is appended.
+    run(&args(&a, &[]));
+    assert_eq!(std::fs::read_to_string(&results)?, first);
+
+    // --restart discards the other adapter's results and runs again.
+    let restarted = run(&args(&b, &["--restart"]));
+    assert!(String::from_utf8_lossy(&restarted.stderr).contains("--restart: discarded"));
+    assert_eq!(std::fs::read_to_string(&results)?.lines().count(), n);
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json"))?)?;
+    assert_eq!(report["identity"]["agent"]["adapter"], identity_path(&b));
+    run(&args(&b, &[]));
+    Ok(())
+}
+
+/// A path as the identity records it.
+fn identity_path(p: &Path) -> String {
+    std::fs::canonicalize(p).unwrap().display().to_string()
 }
