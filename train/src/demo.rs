@@ -21,7 +21,7 @@ use askgui_eval::backends::{InProcessAgent, MemoAgent};
 use askgui_eval::matching::MatchConfig;
 use askgui_eval::metrics::{ModeMetrics, NoContentScorer};
 use askgui_eval::modes::Mode as EvalMode;
-use askgui_eval::runner::{load, run_eval, EvalConfig, RunOptions};
+use askgui_eval::runner::{discard_results, load, run_eval, EvalConfig, RunOptions};
 use askgui_model::{DeviceKind, LoadOptions};
 use serde::Serialize;
 
@@ -327,6 +327,9 @@ fn evaluate(
         run: RunOptions { concurrency: 1, progress: !a.no_progress },
     };
     let eps = load(&cfg).map_err(|e| TrainError::Data(e.to_string()))?;
+    // The demo trains its agents anew on every run: results in `out` from an earlier run are another
+    // agent's, so they are discarded rather than resumed (askgui-eval would refuse them).
+    discard_results(out).map_err(|e| TrainError::Data(e.to_string()))?;
     let scorer = NoContentScorer("the demo does not score ASK content".into());
     let report = run_eval(&agent, &eps, &cfg, &scorer).map_err(|e| TrainError::Data(e.to_string()))?;
     tracing::info!(model_calls = agent.calls(), repeated = agent.hits(), "evaluated {}", episodes.display());
