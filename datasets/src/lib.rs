@@ -3,12 +3,14 @@
 //! The protocol (one source of truth for train, serve and eval): [`action`] (the schema, with `ask` and
 //! the user's `say` turn), [`parse`] (a model's answer back to an action), [`frame`] (screen pixels <->
 //! the model's coordinate frame), [`episode`] (the JSONL episode format), [`prompt`] (chat messages and
-//! training samples with their loss spans). The tools: [`validate`], [`synth`] (a synthetic GUI world in
+//! training samples with their loss spans), [`adapter_card`] (the prompt and image settings an adapter
+//! was trained with, `askgui.json`). The tools: [`validate`], [`synth`] (a synthetic GUI world in
 //! which asking is necessary), [`convert`] (ScreenAgent, AndroidControl, Multimodal-Mind2Web),
 //! [`ambiguate`] (the Navi-plus ambiguity pipeline through any OpenAI-compatible endpoint), [`stats`] and
 //! [`render`] (HTML pages to look at the data).
 
 pub mod action;
+pub mod adapter_card;
 pub mod agent_api;
 pub mod ambiguate;
 mod canvas;
@@ -23,6 +25,7 @@ pub mod synth;
 pub mod validate;
 
 pub use action::{Action, Ask, AskKind, AskOption, Direction, DoneStatus, Segment, Target, Turn};
+pub use adapter_card::{AdapterCard, PromptFlags};
 pub use episode::{
     load_episodes, read_episodes, write_episodes, Element, Episode, LoadedEpisode, Platform, Screen, Step, StepAsk,
 };

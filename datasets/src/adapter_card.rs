@@ -1,0 +1,217 @@
+//! `askgui.json`: the prompt and image settings an adapter (or a merged model) was trained with, written
+//! beside `adapter_config.json` by askgui-train and read by askgui-eval and askgui-serve as their defaults.
+//!
+//! Key choice: the card holds exactly what changes what the model sees (the system prompt, the coordinate
+//! frame, the history and element settings, the image processor's pixel bounds), resolved (never "0: the
+//! checkpoint's"). Unknown keys are ignored and `version` says the layout, so an older reader loads a newer
+//! card. A flag given on the command line still wins over the card, with a warning naming the setting.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::frame::FrameKind;
+use crate::prompt::{PromptConfig, SystemPrompt};
+
+/// The card's file name, in an adapter or model folder.
+pub const FILE: &str = "askgui.json";
+/// The card layout this code writes.
+pub const VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CardError {
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path}: not an askgui adapter card ({source}); delete it or fix it (see docs/training.md)")]
+    Parse { path: String, source: serde_json::Error },
+}
+
+/// The settings an adapter was trained with.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct AdapterCard {
+    /// The card layout ([`VERSION`]).
+    pub version: u32,
+    /// The askgui release that wrote it.
+    pub askgui_version: String,
+    pub prompt: CardPrompt,
+    pub image: CardImage,
+}
+
+/// What the prompt renderer was given.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct CardPrompt {
+    pub system_prompt: SystemPrompt,
+    /// The coordinate frame the model reads and writes.
+    pub frame: FrameKind,
+    /// Earlier screenshots shown besides the current one.
+    pub history_images: usize,
+    /// Whether the element list was in the prompt.
+    pub elements: bool,
+    /// Most recent history lines kept in training prompts (0: all); eval and serve keep every line.
+    #[serde(default)]
+    pub history_length: usize,
+}
+
+/// The image processor's bounds (they decide the resized frame).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct CardImage {
+    pub min_pixels: usize,
+    pub max_pixels: usize,
+}
+
+impl AdapterCard {
+    /// The card of a run whose prompts were built with `prompt` (pixel bounds resolved) and
+    /// `history_length`.
+    pub fn new(prompt: &PromptConfig, history_length: usize) -> Self {
+        Self {
+            version: VERSION,
+            askgui_version: env!("CARGO_PKG_VERSION").to_string(),
+            prompt: CardPrompt {
+                system_prompt: prompt.system_prompt,
+                frame: prompt.frame,
+                history_images: prompt.history_images,
+                elements: prompt.elements,
+                history_length,
+            },
+            image: CardImage { min_pixels: prompt.min_pixels, max_pixels: prompt.max_pixels },
+        }
+    }
+
+    /// Writes `dir/askgui.json`.
+    pub fn write(&self, dir: &Path) -> Result<(), CardError> {
+        let path = dir.join(FILE);
+        let text = serde_json::to_string_pretty(self).expect("the card serialises") + "\n";
+        std::fs::write(&path, text).map_err(|source| CardError::Io { path: path.display().to_string(), source })
+    }
+
+    /// `dir/askgui.json`, or None when `dir` has none (an adapter from elsewhere, or an older askgui's).
+    pub fn read(dir: &Path) -> Result<Option<Self>, CardError> {
+        let path = dir.join(FILE);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(&path).map_err(|source| CardError::Io { path: p.clone(), source })?;
+        serde_json::from_str(&text).map(Some).map_err(|source| CardError::Parse { path: p, source })
+    }
+}
+
+/// The prompt flags of eval and serve as given: None where the command line did not name the flag, so
+/// that an adapter's card can fill it in; [`PromptConfig::default`]'s values apply where neither does.
+#[derive(clap::Args, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct PromptFlags {
+    /// Coordinate frame the model reads and writes [default: the adapter's askgui.json, else resized].
+    #[arg(long, value_enum)]
+    pub frame: Option<FrameKind>,
+    /// The image processor's min_pixels [default: the adapter's askgui.json, else the checkpoint's
+    /// in-process, 3136 for an endpoint].
+    #[arg(long)]
+    pub min_pixels: Option<usize>,
+    /// The image processor's max_pixels [default: the adapter's askgui.json, else the checkpoint's
+    /// in-process, 1003520 for an endpoint].
+    #[arg(long)]
+    pub max_pixels: Option<usize>,
+    /// Earlier screenshots to include besides the current one [default: the adapter's askgui.json, else 0].
+    #[arg(long)]
+    pub history_images: Option<usize>,
+    /// Include the element list when the step has one [default: the adapter's askgui.json, else false].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub elements: Option<bool>,
+    /// The system prompt (`compact`: one line, for small models trained from scratch) [default: the
+    /// adapter's askgui.json, else full].
+    #[arg(long, value_enum)]
+    pub system_prompt: Option<SystemPrompt>,
+}
+
+/// The card's value where the flag is unset; the flag's, with a warning, where both are set and differ.
+fn pick<T: PartialEq + std::fmt::Debug + Copy>(name: &str, card: Option<T>, flag: Option<T>) -> Option<T> {
+    match (card, flag) {
+        (Some(c), Some(f)) if c != f => {
+            tracing::warn!(
+                "--{name} {f:?} overrides the adapter's askgui.json ({name} = {c:?}): the model was trained \
+                 with {c:?}"
+            );
+            Some(f)
+        }
+        (c, f) => f.or(c),
+    }
+}
+
+impl PromptFlags {
+    /// Every option of `cfg`, as if given on the command line.
+    pub fn given(cfg: &PromptConfig) -> Self {
+        Self {
+            frame: Some(cfg.frame),
+            min_pixels: Some(cfg.min_pixels),
+            max_pixels: Some(cfg.max_pixels),
+            history_images: Some(cfg.history_images),
+            elements: Some(cfg.elements),
+            system_prompt: Some(cfg.system_prompt),
+        }
+    }
+
+    /// These flags with `card`'s settings where a flag is unset; a flag that differs from the card wins
+    /// and is warned about.
+    pub fn with_card(&self, card: Option<&AdapterCard>) -> Self {
+        let Some(c) = card else { return self.clone() };
+        Self {
+            frame: pick("frame", Some(c.prompt.frame), self.frame),
+            min_pixels: pick("min-pixels", Some(c.image.min_pixels), self.min_pixels),
+            max_pixels: pick("max-pixels", Some(c.image.max_pixels), self.max_pixels),
+            history_images: pick("history-images", Some(c.prompt.history_images), self.history_images),
+            elements: pick("elements", Some(c.prompt.elements), self.elements),
+            system_prompt: pick("system-prompt", Some(c.prompt.system_prompt), self.system_prompt),
+        }
+    }
+
+    /// The prompt layout: each set option, [`PromptConfig::default`]'s value for the others.
+    pub fn config(&self) -> PromptConfig {
+        let d = PromptConfig::default();
+        PromptConfig {
+            frame: self.frame.unwrap_or(d.frame),
+            min_pixels: self.min_pixels.unwrap_or(d.min_pixels),
+            max_pixels: self.max_pixels.unwrap_or(d.max_pixels),
+            history_images: self.history_images.unwrap_or(d.history_images),
+            elements: self.elements.unwrap_or(d.elements),
+            system_prompt: self.system_prompt.unwrap_or(d.system_prompt),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn card() -> AdapterCard {
+        let p = PromptConfig { max_pixels: 57_344, system_prompt: SystemPrompt::Compact, ..Default::default() };
+        AdapterCard::new(&p, 4)
+    }
+
+    #[test]
+    fn a_card_round_trips_and_ignores_keys_it_does_not_know() {
+        let dir = std::env::temp_dir().join(format!("askgui-card-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(AdapterCard::read(&dir).unwrap(), None);
+        card().write(&dir).unwrap();
+        assert_eq!(AdapterCard::read(&dir).unwrap(), Some(card()));
+        let mut v: serde_json::Value = serde_json::to_value(card()).unwrap();
+        v["prompt"]["a_later_setting"] = 1.into();
+        v["later_section"] = serde_json::json!({"x": 1});
+        std::fs::write(dir.join(FILE), v.to_string()).unwrap();
+        assert_eq!(AdapterCard::read(&dir).unwrap(), Some(card()));
+        std::fs::write(dir.join(FILE), "{").unwrap();
+        assert!(AdapterCard::read(&dir).unwrap_err().to_string().contains(FILE));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_card_fills_unset_flags_and_a_given_flag_wins() {
+        let unset = PromptFlags::default();
+        assert_eq!(unset.config(), PromptConfig::default(), "no card, no flags: today's defaults");
+        let c = unset.with_card(Some(&card())).config();
+        assert_eq!((c.max_pixels, c.system_prompt), (57_344, SystemPrompt::Compact));
+        let flags = PromptFlags { max_pixels: Some(12_544), ..Default::default() };
+        let c = flags.with_card(Some(&card())).config();
+        assert_eq!((c.max_pixels, c.system_prompt), (12_544, SystemPrompt::Compact));
+    }
+}
