@@ -434,8 +434,8 @@ pub fn from_matches(cli: &Cli, matches: &ArgMatches) -> Result<(TrainConfig, Run
         layers.push((format!("--preset {}", p.to_possible_value().expect("named").get_name()), preset_layer(p)));
     }
     if let Some(dir) = &cli.resume {
-        let ckpt = crate::checkpoint::find(dir)?;
-        let path = ckpt.join(crate::checkpoint::CONFIG_FILE);
+        let ckpt = crate::snapshot::find(dir)?;
+        let path = ckpt.join(crate::snapshot::CONFIG_FILE);
         layers.push((path.display().to_string(), file_layer(&path)?));
     }
     if let Some(path) = &cli.config {

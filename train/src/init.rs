@@ -10,10 +10,10 @@ use std::path::Path;
 
 use askgui_model::{random_init as init, ModelConfig, Qwen2Vl};
 
-use crate::checkpoint::TrainerState;
 use crate::config::TrainConfig;
 use crate::error::{io, Result, TrainError};
 use crate::optim::{AdamW, AdamWParams};
+use crate::snapshot::TrainerState;
 
 /// The byte-level tokenizer (from `model/tests/fixtures/tiny-qwen2_5_vl`).
 pub const TOKENIZER_JSON: &str = include_str!("../assets/byte-tokenizer/tokenizer.json");

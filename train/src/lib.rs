@@ -1,9 +1,10 @@
 //! askgui-train: LoRA fine-tuning of Qwen2.5-VL / Qwen2-VL GUI agents on askgui episodes.
 //!
 //! [`config`] (clap + serde options, TOML files, presets), [`data`] (episodes -> token ids with a loss
-//! mask, the data order), [`optim`] (AdamW, the warmup + cosine schedule, clipping), [`checkpoint`]
-//! (atomic PEFT-format checkpoints with the optimiser and trainer state), [`check_gpu`] (every kernel
-//! against its reference on a device), [`merge`] (an adapter folded into a plain Hugging Face
+//! mask, the data order), [`optim`] (AdamW, the warmup + cosine schedule, clipping), [`snapshot`]
+//! (atomic training snapshots: the PEFT-format adapter with the optimiser and trainer state),
+//! [`check_gpu`] (every kernel against its reference on a device), [`merge`] (an adapter folded into a
+//! plain Hugging Face
 //! checkpoint), [`plot`] (curves.svg), [`bpe`] (a small tokenizer learned from a corpus), [`init`] (random models),
 //! [`agent_eval`] (the agent metrics and sample prediction of the periodic eval, through askgui-eval) and
 //! [`trainer`] (the loop). The model's training path (LoRA `Var`s, loss and gradients) is askgui-model's;
@@ -14,7 +15,6 @@ pub mod agent_eval;
 pub mod alloc;
 pub mod bpe;
 pub mod check_gpu;
-pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod demo;
@@ -23,6 +23,7 @@ pub mod init;
 pub mod merge;
 pub mod optim;
 pub mod plot;
+pub mod snapshot;
 pub mod trainer;
 
 pub use config::{Mode, Preset, RunControl, TrainConfig};

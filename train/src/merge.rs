@@ -161,7 +161,7 @@ pub fn merge(args: &MergeArgs) -> Result<MergeSummary> {
 
     let mut copied = Vec::new();
     let n = tensors.len();
-    let out = crate::checkpoint::write_atomically(&parent, &name, |tmp| {
+    let out = crate::snapshot::write_atomically(&parent, &name, |tmp| {
         let weights = tmp.join(WEIGHTS_FILE);
         candle_core::safetensors::save(&tensors, &weights)
             .map_err(|e| TrainError::Merge(format!("{}: cannot write: {e}", weights.display())))?;

@@ -24,11 +24,11 @@ use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
 use crate::agent_eval::{self, AgentMetrics, SamplePrediction};
-use crate::checkpoint::{self, TrainerState};
 use crate::config::{Mode, ModelArgs, RunControl, TrainConfig};
 use crate::data::{self, DataOptions, DataStats, Dataset};
 use crate::error::{io, Result, TrainError};
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
+use crate::snapshot::{self, TrainerState};
 
 /// The adapter's name inside the model.
 const ADAPTER: &str = "train";
@@ -193,7 +193,7 @@ fn adapter_and_optimiser(model: &mut Qwen2Vl, cfg: &TrainConfig, ckpt: Option<&P
         Some(dir) => {
             model.load_adapter(ADAPTER, dir)?;
             model.make_adapter_trainable(ADAPTER)?;
-            checkpoint::read_state(dir)?
+            snapshot::read_state(dir)?
         }
         None => {
             let l = &cfg.lora;
@@ -211,7 +211,7 @@ fn adapter_and_optimiser(model: &mut Qwen2Vl, cfg: &TrainConfig, ckpt: Option<&P
     let params = AdamWParams { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: o.weight_decay };
     let mut opt = AdamW::new(model.trainable_vars(ADAPTER)?, params)?;
     if let Some(dir) = ckpt {
-        opt.load(&dir.join(checkpoint::OPTIMIZER_FILE))?;
+        opt.load(&dir.join(snapshot::OPTIMIZER_FILE))?;
     }
     Ok((opt, state))
 }
@@ -267,7 +267,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     let eval_mode = agent_eval::mode_for(cfg.data.task_mode);
 
     // Adapter and optimiser, fresh or from the checkpoint.
-    let ckpt = control.resume.as_deref().map(checkpoint::find).transpose()?;
+    let ckpt = control.resume.as_deref().map(snapshot::find).transpose()?;
     let (mut opt, state) = adapter_and_optimiser(&mut model, cfg, ckpt.as_deref())?;
     let o = &cfg.optim;
 
@@ -298,7 +298,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
 
     let out = &cfg.run.output_dir;
     if ckpt.is_none() && cfg.run.save_checkpoints {
-        if let Ok(existing) = checkpoint::find(out) {
+        if let Ok(existing) = snapshot::find(out) {
             return Err(TrainError::Config(format!(
                 "{} already holds checkpoints ({}); pass --resume {} to continue that run, or choose another \
                  --output-dir",
@@ -324,14 +324,14 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     bar.reset_eta();
 
     let save = |model: &Qwen2Vl, opt: &AdamW, state: &TrainerState| -> Result<PathBuf> {
-        let dir = checkpoint::write_atomically(out, &checkpoint::dir_name(state.step), |tmp| {
+        let dir = snapshot::write_atomically(out, &snapshot::dir_name(state.step), |tmp| {
             match cfg.model.mode {
                 Mode::Full => crate::init::save_model(model, tmp)?,
                 Mode::Lora => model.save_adapter_as(ADAPTER, tmp, cfg.run.adapter_keys.into())?,
             }
-            opt.save(&tmp.join(checkpoint::OPTIMIZER_FILE))?;
-            checkpoint::write_state(tmp, state)?;
-            let path = tmp.join(checkpoint::CONFIG_FILE);
+            opt.save(&tmp.join(snapshot::OPTIMIZER_FILE))?;
+            snapshot::write_state(tmp, state)?;
+            let path = tmp.join(snapshot::CONFIG_FILE);
             std::fs::write(&path, cfg.to_toml()).map_err(io(path))
         })?;
         bar.suspend(|| tracing::info!(step = state.step, "checkpoint {}", dir.display()));

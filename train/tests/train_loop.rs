@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use askgui_data::synth::{synth, SynthArgs};
 use askgui_data::PromptConfig;
 use askgui_model::{ImageProcessorConfig, QwenTokenizer};
-use askgui_train::checkpoint;
 use askgui_train::config::from_args;
 use askgui_train::data::{self, DataOptions};
+use askgui_train::snapshot;
 use askgui_train::{RunControl, TrainConfig, TrainError};
 
 fn none() -> RunControl {
@@ -243,7 +243,7 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
     assert_eq!(*step, 2);
     assert_eq!(last_checkpoint.as_deref(), Some(out.join("checkpoint-0000001").as_path()));
     assert!(e.to_string().contains("step 2") && e.to_string().contains("checkpoint-0000001"), "{e}");
-    assert_eq!(checkpoint::read_state(&out.join("checkpoint-0000001")).unwrap().step, 1);
+    assert_eq!(snapshot::read_state(&out.join("checkpoint-0000001")).unwrap().step, 1);
     assert!(!out.join("checkpoint-0000002").exists());
 }
 
@@ -278,14 +278,14 @@ fn a_killed_binary_resumes_from_its_last_checkpoint() {
     let log = std::fs::File::create(dir.join("log.txt")).unwrap();
     let bin = env!("CARGO_BIN_EXE_askgui-train");
     let mut child = std::process::Command::new(bin).args(&argv).stderr(log).spawn().unwrap();
-    let first = out.join("checkpoint-0000001").join(checkpoint::STATE_FILE);
+    let first = out.join("checkpoint-0000001").join(snapshot::STATE_FILE);
     let t0 = std::time::Instant::now();
     while !first.exists() && t0.elapsed().as_secs() < 60 {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    let at = checkpoint::read_state(&checkpoint::find(&out).unwrap()).unwrap().step;
+    let at = snapshot::read_state(&snapshot::find(&out).unwrap()).unwrap().step;
     eprintln!("killed after the checkpoint of step {at}");
     assert!(at >= 1);
 

@@ -1,8 +1,9 @@
-//! Checkpoints: everything a run needs to continue exactly, written so that a crash or a failed write
-//! never leaves a half checkpoint or damages an earlier one.
+//! Training snapshots: everything a run needs to continue exactly (for `--resume`), written so that a
+//! crash or a failed write never leaves a half snapshot or damages an earlier one.
 //!
-//! A checkpoint is a folder `checkpoint-NNNNNNN` (the optimiser step) holding the adapter in PEFT's
-//! format (`adapter_config.json`, `adapter_model.safetensors`, keys in the hub layout or, with
+//! A snapshot is a folder `checkpoint-NNNNNNN` (the optimiser step; the folder and file names stay as
+//! earlier runs wrote them, so those runs resume) holding the adapter in PEFT's format
+//! (`adapter_config.json`, `adapter_model.safetensors`, keys in the hub layout or, with
 //! `--adapter-keys transformers5`, PEFT-on-transformers-5's: the folder loads in PEFT as it is), the
 //! optimiser state (`optimizer.safetensors`), the trainer state (`trainer_state.json`: step, data
 //! position, seed, schedule length) and the resolved config (`config.toml`). There is no RNG state to
@@ -51,7 +52,7 @@ impl TrainerState {
     }
 }
 
-/// The folder name of step `step`'s checkpoint.
+/// The folder name of step `step`'s snapshot.
 pub fn dir_name(step: usize) -> String {
     format!("{PREFIX}{step:07}")
 }
@@ -101,7 +102,7 @@ fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir).and_then(|f| f.sync_all()).map_err(io(dir))
 }
 
-/// The checkpoint folder `dir` names: `dir` itself if it holds a trainer state, else its newest complete
+/// The snapshot folder `dir` names: `dir` itself if it holds a trainer state, else its newest complete
 /// `checkpoint-*` folder.
 pub fn find(dir: &Path) -> Result<PathBuf> {
     if dir.join(STATE_FILE).is_file() {
