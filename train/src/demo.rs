@@ -16,7 +16,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use askgui_data::synth::{synth, SynthArgs};
-use askgui_data::{episode_samples, load_episodes, render_chatml, FrameKind, PromptConfig, SystemPrompt, TaskMode};
+use askgui_data::{
+    episode_samples, load_episodes, render_chatml, FrameKind, PromptConfig, PromptFlags, SystemPrompt, TaskMode,
+};
 use askgui_eval::backends::{InProcessAgent, MemoAgent};
 use askgui_eval::matching::MatchConfig;
 use askgui_eval::metrics::{ModeMetrics, NoContentScorer};
@@ -313,10 +315,17 @@ fn evaluate(
     modes: &[EvalMode],
     a: &DemoArgs,
 ) -> Result<Vec<Scores>> {
-    let prompt = prompt_config(a);
+    // The settings the agents were trained with; min_pixels stays the model's processor's.
+    let p = prompt_config(a);
+    let prompt = PromptFlags {
+        frame: Some(p.frame),
+        max_pixels: Some(p.max_pixels),
+        system_prompt: Some(p.system_prompt),
+        ..PromptFlags::default()
+    };
     // The CPU, as the demo's training (a model this small gains nothing from a GPU's bf16).
     let on_cpu = LoadOptions { device: DeviceKind::Cpu, ..Default::default() };
-    let agent = InProcessAgent::load(&model.to_string_lossy(), adapter, prompt, a.max_new_tokens, on_cpu)
+    let agent = InProcessAgent::load(&model.to_string_lossy(), adapter, &prompt, a.max_new_tokens, on_cpu)
         .map_err(|e| TrainError::Data(format!("eval agent: {e}")))?;
     let agent = MemoAgent::new(agent);
     let cfg = EvalConfig {

@@ -4,14 +4,15 @@
 //! The prompt is the training prompt rendered in ChatML; each screenshot goes through the checkpoint's own
 //! image processor (`preprocessor_config.json`), and for the `resized` frame the model frame is the size
 //! that processor resized the current screenshot to, so the coordinates in the prompt and in the answer are
-//! pixels of exactly the image the vision tower saw. `--min-pixels`/`--max-pixels` therefore do not apply
-//! here (they describe an endpoint's processor). Predictions are serialised through a mutex: one CPU model
-//! answering several steps at once would only split the same cores.
+//! pixels of exactly the image the vision tower saw. The prompt flags left unset take the adapter's (or a
+//! merged model folder's) `askgui.json`, whose pixel bounds replace the processor's, as a given
+//! `--min-pixels`/`--max-pixels` does. Predictions are serialised through a mutex: one CPU model answering
+//! several steps at once would only split the same cores.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use askgui_data::{render_chatml, FrameKind, FrameMap, PromptConfig};
+use askgui_data::{render_chatml, AdapterCard, FrameKind, FrameMap, PromptConfig, PromptFlags};
 use askgui_model::{
     generate, load_image, preprocess, LoadOptions, ModelError, ProcessedImage, Prompt, Qwen2Vl, QwenTokenizer,
     SamplingParams,
@@ -51,17 +52,38 @@ fn model_err(e: ModelError) -> AgentError {
 impl InProcessAgent {
     /// Loads a checkpoint directory or hub id on `load`'s device and dtype (by default f32 on the CPU,
     /// bf16 on a GPU) with its kernels, and a PEFT LoRA adapter merged into its weights when given (on
-    /// bf16 weights the merged weight is rounded once, as PEFT's `merge_and_unload` does).
+    /// bf16 weights the merged weight is rounded once, as PEFT's `merge_and_unload` does). Unset `prompt`
+    /// flags take the adapter's askgui.json (else the model folder's, else their defaults).
     pub fn load(
         model: &str,
         adapter: Option<&Path>,
-        prompt: PromptConfig,
+        prompt: &PromptFlags,
         max_new_tokens: usize,
         load: LoadOptions,
     ) -> Result<Self, AgentError> {
         let (device, dtype) = load.resolve().map_err(model_err)?;
         tracing::info!("evaluating on {device:?} with {dtype:?} weights");
         let mut m = Qwen2Vl::load_with(model, &device, dtype, load.kernels).map_err(model_err)?;
+        let card_dir = adapter.unwrap_or(&m.files.dir).to_path_buf();
+        let card = AdapterCard::read(&card_dir).map_err(|e| AgentError::Model(e.to_string()))?;
+        if let Some(c) = &card {
+            tracing::info!(
+                ?c,
+                "prompt and image settings from {}",
+                card_dir.join(askgui_data::adapter_card::FILE).display()
+            );
+        }
+        let flags = prompt.with_card(card.as_ref());
+        let ic = &mut m.image_config;
+        ic.min_pixels = flags.min_pixels.unwrap_or(ic.min_pixels);
+        ic.max_pixels = flags.max_pixels.unwrap_or(ic.max_pixels);
+        if ic.min_pixels > ic.max_pixels {
+            return Err(AgentError::Model(format!(
+                "min_pixels {} > max_pixels {}: give --min-pixels and --max-pixels that fit",
+                ic.min_pixels, ic.max_pixels
+            )));
+        }
+        let prompt = PromptConfig { min_pixels: ic.min_pixels, max_pixels: ic.max_pixels, ..flags.config() };
         if let Some(dir) = adapter {
             // This agent only ever runs this adapter, so it is folded into the weights and each forward
             // costs the base model's (measured on a 2-core CPU, the demo's LoRA agent on 40 episodes in

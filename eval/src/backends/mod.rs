@@ -17,7 +17,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use askgui_data::prompt::StepContext;
-use askgui_data::{parse_answer, Action, ChatMessage, FrameMap, PromptConfig};
+use askgui_data::{parse_answer, Action, ChatMessage, FrameMap, PromptConfig, PromptFlags};
 use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, LoadOptions};
 
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
@@ -73,8 +73,10 @@ pub struct BackendArgs {
     /// `reference` runs `--model` on plain-candle ops instead of askgui's kernels (slower; for a GPU they fail on).
     #[arg(long, value_enum, default_value_t = KernelChoice::Askgui)]
     pub kernels: KernelChoice,
+    /// The prompt flags; an unset one takes the value of `--adapter`'s (or a local `--model`'s)
+    /// askgui.json in-process, else its default.
     #[command(flatten)]
-    pub prompt: PromptConfig,
+    pub prompt: PromptFlags,
 }
 
 /// The agent named by the arguments: exactly one of `--model`, `--openai-base` and `--endpoint`.
@@ -102,7 +104,7 @@ pub fn from_args(a: &BackendArgs) -> anyhow::Result<Box<dyn Agent>> {
             retries: a.retries,
             backoff_ms: a.backoff_ms,
             max_tokens: a.max_new_tokens,
-            elements: a.prompt.elements,
+            elements: a.prompt.elements.unwrap_or(false),
         };
         return Ok(Box::new(EndpointAgent::new(cfg)?));
     }
@@ -117,7 +119,7 @@ pub fn from_args(a: &BackendArgs) -> anyhow::Result<Box<dyn Agent>> {
                 bail!("--openai-model is for --openai-base; --model runs the checkpoint in-process");
             }
             let load = LoadOptions { device: a.device, dtype: a.dtype, kernels: a.kernels };
-            let agent = InProcessAgent::load(model, a.adapter.as_deref(), a.prompt.clone(), a.max_new_tokens, load)
+            let agent = InProcessAgent::load(model, a.adapter.as_deref(), &a.prompt, a.max_new_tokens, load)
                 .with_context(|| format!("loading --model {model}"))?;
             Ok(Box::new(agent))
         }
@@ -136,7 +138,7 @@ pub fn from_args(a: &BackendArgs) -> anyhow::Result<Box<dyn Agent>> {
                 retries: a.retries,
                 backoff_ms: a.backoff_ms,
                 max_tokens: a.max_new_tokens,
-                prompt: a.prompt.clone(),
+                prompt: a.prompt.config(),
             };
             Ok(Box::new(OpenAiAgent::new(cfg)?))
         }
