@@ -4,13 +4,15 @@
 //! mask, the data order), [`optim`] (AdamW, the warmup + cosine schedule, clipping), [`snapshot`]
 //! (atomic training snapshots: the PEFT-format adapter with the optimiser and trainer state),
 //! [`check_gpu`] (every kernel against its reference on a device), [`merge`] (an adapter folded into a
-//! plain Hugging Face
-//! checkpoint), [`plot`] (curves.svg), [`bpe`] (a small tokenizer learned from a corpus), [`init`] (random models),
+//! plain Hugging Face checkpoint), [`adapter_card`] (`askgui.json`, the prompt and image settings beside
+//! each adapter), [`plot`] (curves.svg), [`bpe`] (a small tokenizer learned from a corpus), [`init`]
+//! (random models),
 //! [`agent_eval`] (the agent metrics and sample prediction of the periodic eval, through askgui-eval) and
 //! [`trainer`] (the loop). The model's training path (LoRA `Var`s, loss and gradients) is askgui-model's;
 //! prompts are askgui-data's, the same code that serve and eval use, so a model is trained on exactly the
 //! prompts it will be asked.
 
+pub mod adapter_card;
 pub mod agent_eval;
 pub mod alloc;
 pub mod bpe;

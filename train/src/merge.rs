@@ -9,7 +9,8 @@
 //! does); tensors of the base file that the model does not load are copied through unchanged. Keys are the
 //! hub layout (`model.layers.N...`, `visual.*`) whichever layout the base used; one `model.safetensors`
 //! is written even when the base was sharded. `config.json`, the tokenizer files, `preprocessor_config.json`
-//! and `generation_config.json` are copied when present.
+//! and `generation_config.json` are copied when present, and the adapter's `askgui.json` (the prompt and
+//! image settings it was trained with).
 //!
 //! The folder is filled under a temporary name and renamed into place when complete (as checkpoints
 //! are), so an interrupted merge leaves no half checkpoint. An existing non-empty `--out` is refused.
@@ -172,6 +173,13 @@ pub fn merge(args: &MergeArgs) -> Result<MergeSummary> {
                 std::fs::copy(&src, &dst).map_err(io(&dst))?;
                 copied.push(f.to_string());
             }
+        }
+        // The settings the adapter was trained with travel with the merged model.
+        let card = args.adapter.join(askgui_data::adapter_card::FILE);
+        if card.is_file() {
+            let dst = tmp.join(askgui_data::adapter_card::FILE);
+            std::fs::copy(&card, &dst).map_err(io(&dst))?;
+            copied.push(askgui_data::adapter_card::FILE.to_string());
         }
         Ok(())
     })?;
