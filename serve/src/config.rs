@@ -112,9 +112,17 @@ pub struct Config {
     /// HTTP worker threads (0: one per CPU core).
     #[arg(long, env = "ASKGUI_SERVE_WORKERS", default_value_t = 0)]
     pub workers: usize,
-    /// The system prompt the model was trained with (`compact`: the demo's models).
-    #[arg(long, env = "ASKGUI_SERVE_SYSTEM_PROMPT", value_enum, default_value_t = SystemPrompt::Full)]
-    pub system_prompt: SystemPrompt,
+    /// The system prompt the model was trained with (`compact`: the demo's models) [default: the
+    /// askgui.json of the adapters or of the model folder, else full].
+    #[arg(long, env = "ASKGUI_SERVE_SYSTEM_PROMPT", value_enum)]
+    pub system_prompt: Option<SystemPrompt>,
+    /// The image processor's min_pixels [default: the askgui.json of the adapters or of the model folder,
+    /// else the checkpoint's preprocessor_config.json].
+    #[arg(long, env = "ASKGUI_SERVE_MIN_PIXELS")]
+    pub min_pixels: Option<usize>,
+    /// The image processor's max_pixels (the model's view of a screenshot) [default: as --min-pixels].
+    #[arg(long, env = "ASKGUI_SERVE_MAX_PIXELS")]
+    pub max_pixels: Option<usize>,
     /// Where the model runs: `auto` is the first CUDA GPU when the binary is built with
     /// `--features cuda` and one is present, else the CPU.
     #[arg(long, env = "ASKGUI_SERVE_DEVICE", value_enum, default_value_t = DeviceKind::Auto)]

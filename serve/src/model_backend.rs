@@ -16,9 +16,10 @@ mod sampling;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use askgui_data::agent_api::AgentStepResponse;
 use askgui_data::prompt::SystemPrompt;
+use askgui_data::{AdapterCard, FrameKind, PromptFlags};
 use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, ModelError, Qwen2Vl};
 
 use crate::backend::{Backend, BackendError, BackendInfo, ChatJob, ChatOutput, Intake, Job, StepJob};
@@ -38,8 +39,9 @@ pub struct ModelBackendConfig {
     pub adapters: Vec<(String, PathBuf)>,
     /// Bytes of prompt KV caches kept for reuse ([`crate::prefix_cache`]); 0 turns reuse off.
     pub prefix_cache_bytes: usize,
-    /// The system prompt the model was trained with.
-    pub system_prompt: SystemPrompt,
+    /// The flags of the prompt settings (system prompt, pixel bounds); unset ones take the askgui.json
+    /// of the adapters or of the model folder ([`served_card`]).
+    pub prompt: PromptFlags,
     /// Where the model runs (and so its weights' default dtype).
     pub device: DeviceKind,
     /// The weights' dtype (`auto`: the device's default).
@@ -54,12 +56,48 @@ impl From<&Config> for ModelBackendConfig {
             model: cfg.model.clone(),
             adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
             prefix_cache_bytes: cfg.prefix_cache_mb << 20,
-            system_prompt: cfg.system_prompt,
+            prompt: PromptFlags {
+                system_prompt: cfg.system_prompt,
+                min_pixels: cfg.min_pixels,
+                max_pixels: cfg.max_pixels,
+                ..PromptFlags::default()
+            },
             device: cfg.device,
             dtype: cfg.dtype,
             kernels: cfg.kernels,
         }
     }
+}
+
+/// The askgui.json the server's prompt settings default to: those of the model folder and of every
+/// adapter (`cards`, by what they belong to) must agree on each setting no flag gives, since one server
+/// builds every prompt alike. Settings the server does not apply (a frame other than `resized`, history
+/// screenshots, element lists: the request decides those) are warned about.
+pub fn served_card(flags: &PromptFlags, cards: &[(String, AdapterCard)]) -> anyhow::Result<Option<AdapterCard>> {
+    let Some((first_name, first)) = cards.first() else { return Ok(None) };
+    for (name, c) in cards {
+        let differs = [
+            ("system-prompt", flags.system_prompt.is_none() && c.prompt.system_prompt != first.prompt.system_prompt),
+            ("min-pixels", flags.min_pixels.is_none() && c.image.min_pixels != first.image.min_pixels),
+            ("max-pixels", flags.max_pixels.is_none() && c.image.max_pixels != first.image.max_pixels),
+        ];
+        if let Some((setting, _)) = differs.iter().find(|d| d.1) {
+            bail!(
+                "{first_name} and {name} were trained with different {setting} (their askgui.json): one server \
+                 builds every prompt alike; give --{setting} to serve both with one value, or serve them from \
+                 separate servers"
+            );
+        }
+        if c.prompt.frame != FrameKind::Resized || c.prompt.history_images > 0 {
+            tracing::warn!(
+                "{name} was trained with frame {:?} and {} history screenshots (askgui.json); the server answers \
+                 in the resized frame with the current screenshot only",
+                c.prompt.frame,
+                c.prompt.history_images
+            );
+        }
+    }
+    Ok(Some(first.clone()))
 }
 
 /// The prefix cache's size when nothing says otherwise.
@@ -88,20 +126,39 @@ fn candle_err(e: candle_core::Error) -> BackendError {
 
 impl ModelBackend {
     /// Loads the checkpoint on the configured device and dtype (by default f32 on the CPU, bf16 on a GPU)
-    /// with the configured kernels, and every adapter.
+    /// with the configured kernels, and every adapter; the prompt settings are the flags, else the
+    /// adapters' (or model folder's) askgui.json, else the checkpoint's processor and the full prompt.
     pub fn load(cfg: &ModelBackendConfig) -> anyhow::Result<Self> {
         let (device, dtype) = cfg.device.pick_with(cfg.dtype)?;
         tracing::info!("serving on {device:?} with {dtype:?} weights");
         let mut model = Qwen2Vl::load_with(&cfg.model, &device, dtype, cfg.kernels)
             .with_context(|| format!("loading the model {}", cfg.model))?;
+        let mut cards = Vec::new();
+        if let Some(c) = AdapterCard::read(&model.files.dir)? {
+            cards.push((format!("the model {}", cfg.model), c));
+        }
         for (name, dir) in &cfg.adapters {
             model
                 .load_adapter(name, dir)
                 .with_context(|| format!("loading adapter `{name}` from {}", dir.display()))?;
+            if let Some(c) = AdapterCard::read(dir)? {
+                cards.push((format!("adapter `{name}`"), c));
+            }
         }
-        Ok(Self::from_model(model, &cfg.model)?
-            .with_prefix_cache(cfg.prefix_cache_bytes)
-            .with_system_prompt(cfg.system_prompt))
+        let flags = cfg.prompt.with_card(served_card(&cfg.prompt, &cards)?.as_ref());
+        let ic = &mut model.image_config;
+        ic.min_pixels = flags.min_pixels.unwrap_or(ic.min_pixels);
+        ic.max_pixels = flags.max_pixels.unwrap_or(ic.max_pixels);
+        if ic.min_pixels > ic.max_pixels {
+            bail!(
+                "min_pixels {} > max_pixels {}: give --min-pixels and --max-pixels that fit",
+                ic.min_pixels,
+                ic.max_pixels
+            );
+        }
+        let system = flags.system_prompt.unwrap_or_default();
+        tracing::info!(?system, min_pixels = ic.min_pixels, max_pixels = ic.max_pixels, "prompt settings");
+        Ok(Self::from_model(model, &cfg.model)?.with_prefix_cache(cfg.prefix_cache_bytes).with_system_prompt(system))
     }
 
     /// Sets the system prompt of every step's prompt (the one the model was trained with).

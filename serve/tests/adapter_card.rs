@@ -1,0 +1,114 @@
+//! The server takes its prompt settings from the askgui.json of the adapters it loads: the card's
+//! max_pixels decides the frame the model sees and its system prompt the prompt's length; a flag with
+//! another value wins with a warning; adapters whose cards disagree are refused unless a flag decides.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, StepOptions};
+use askgui_data::{AdapterCard, PromptConfig, SystemPrompt};
+use askgui_serve::backend::{ImageInput, StepJob};
+use askgui_serve::model_backend::{ModelBackend, ModelBackendConfig};
+use clap::Parser;
+
+const TINY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/fixtures/tiny-qwen2_5_vl");
+const PEFT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/fixtures/lora/tiny-qwen2_5_vl-peft");
+
+/// The PEFT fixture adapter in a folder of its own with a card of `max_pixels` and `system`.
+fn adapter(name: &str, max_pixels: usize, system: SystemPrompt) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("askgui-serve-card-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(Path::new(PEFT).join(f), dir.join(f)).unwrap();
+    }
+    AdapterCard::new(&PromptConfig { max_pixels, system_prompt: system, ..Default::default() }, 0).write(&dir).unwrap();
+    dir
+}
+
+fn config(argv: &[&str], adapters: &[(&str, &Path)]) -> ModelBackendConfig {
+    let cfg = askgui_serve::config::Cli::try_parse_from(["askgui-serve", "--model", TINY].iter().chain(argv)).unwrap();
+    let mut b = ModelBackendConfig::from(&cfg.serve);
+    b.adapters = adapters.iter().map(|(n, d)| (n.to_string(), d.to_path_buf())).collect();
+    b
+}
+
+/// Loads the backend (capturing its warnings) and answers one step on a 400x300 screenshot.
+fn step(cfg: &ModelBackendConfig) -> (anyhow::Result<AgentStepResponse>, String) {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let r = tracing::subscriber::with_default(subscriber, || -> anyhow::Result<AgentStepResponse> {
+        let mut b = ModelBackend::load(cfg)?;
+        let img = image::RgbImage::from_fn(400, 300, |x, y| image::Rgb([(x % 256) as u8, (y % 256) as u8, 90]));
+        let mut request = AgentStepRequest::new("Open the settings", "unused");
+        request.options = StepOptions { max_tokens: Some(8), ..Default::default() };
+        let job = StepJob { request, screenshot: Some(ImageInput { image: Arc::new(img), hash: 7 }) };
+        Ok(b.step(&job, &|| false)?)
+    });
+    let logged = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    (r, logged)
+}
+
+fn area(r: &AgentStepResponse) -> u32 {
+    r.frame.model.width * r.frame.model.height
+}
+
+fn text_tokens(r: &AgentStepResponse) -> usize {
+    r.usage.prompt_tokens - r.usage.image_tokens
+}
+
+#[test]
+fn the_adapters_card_sets_the_frame_and_the_system_prompt() {
+    let plain = step(&config(&[], &[("a", Path::new(PEFT))])).0.unwrap();
+    assert!(area(&plain) > 12_544, "the checkpoint's processor keeps 400x300: {:?}", plain.frame.model);
+
+    let small = adapter("small", 12_544, SystemPrompt::Compact);
+    let (carded, logged) = step(&config(&[], &[("a", &small)]));
+    let carded = carded.unwrap();
+    assert!(area(&carded) <= 12_544, "the card's max_pixels: {:?}", carded.frame.model);
+    assert!(text_tokens(&carded) < text_tokens(&plain), "the compact system prompt is shorter");
+    assert!(logged.is_empty(), "{logged}");
+
+    // An explicit flag wins, with a warning naming the setting and both values.
+    let (flagged, logged) = step(&config(&["--system-prompt", "full", "--max-pixels", "1003520"], &[("a", &small)]));
+    let flagged = flagged.unwrap();
+    assert_eq!((area(&flagged), text_tokens(&flagged)), (area(&plain), text_tokens(&plain)));
+    assert!(logged.contains("--max-pixels 1003520") && logged.contains("max-pixels = 12544"), "{logged}");
+    assert!(logged.contains("--system-prompt Full") && logged.contains("system-prompt = Compact"), "{logged}");
+}
+
+#[test]
+fn adapters_trained_differently_need_a_flag_to_share_a_server() {
+    let small = adapter("two-small", 12_544, SystemPrompt::Compact);
+    let large = adapter("two-large", 57_344, SystemPrompt::Compact);
+    let (r, _) = step(&config(&[], &[("s", &small), ("l", &large)]));
+    let e = format!("{:#}", r.unwrap_err());
+    assert!(e.contains("adapter `s`") && e.contains("adapter `l`") && e.contains("--max-pixels"), "{e}");
+    let (r, logged) = step(&config(&["--max-pixels", "57344"], &[("s", &small), ("l", &large)]));
+    assert!(area(&r.unwrap()) <= 57_344);
+    assert!(logged.contains("--max-pixels 57344") && logged.contains("max-pixels = 12544"), "{logged}");
+}
+
+#[test]
+fn no_card_keeps_the_defaults() {
+    let cfg = config(&[], &[]);
+    assert_eq!(cfg.prompt, askgui_data::PromptFlags::default(), "no flag given: every setting unset");
+    let r = step(&cfg).0.unwrap();
+    assert!(area(&r) > 12_544, "the checkpoint's processor: {:?}", r.frame.model);
+}
