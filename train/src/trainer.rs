@@ -18,14 +18,15 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use askgui_data::PromptConfig;
-use askgui_model::{ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions};
+use askgui_data::{LoadedEpisode, PromptConfig};
+use askgui_eval::modes::Mode as EvalMode;
+use askgui_model::{ImageProcessorConfig, LoraConfig, Qwen2Vl, QwenTokenizer, StepOptions};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
 use crate::agent_eval::{self, AgentMetrics, SamplePrediction};
 use crate::config::{Mode, ModelArgs, RunControl, TrainConfig};
-use crate::data::{self, DataOptions, DataStats, Dataset};
+use crate::data::{self, DataOptions, DataStats, Dataset, PreparedSample};
 use crate::error::{io, Result, TrainError};
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
 use crate::snapshot::{self, TrainerState};
@@ -239,65 +240,87 @@ pub fn planned_batches(cfg: &TrainConfig, steps: usize) -> Result<Vec<Vec<data::
     Ok(out)
 }
 
-/// Runs (or, with `control.resume`, continues) the training that `cfg` describes.
-pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
-    cfg.validate()?;
-    tracing::info!("resolved config:\n{}", cfg.to_toml());
-    let (device, dtype) = pick_device(&cfg.model)?;
-    let mut model = load_model(cfg, &device, dtype)?;
-    let tokenizer = model.tokenizer()?;
+/// What the loop reads and never changes: the config, the device, the tokenizer, the data and the schedule.
+struct Run<'a> {
+    cfg: &'a TrainConfig,
+    device: Device,
+    tokenizer: QwenTokenizer,
+    train: Dataset,
+    val: Option<Dataset>,
+    /// The agent eval's validation episodes (none with `--eval-episodes 0` or without `--val`).
+    val_episodes: Vec<LoadedEpisode>,
+    eval_mode: EvalMode,
+    prompt: PromptConfig,
+    schedule: Schedule,
+}
 
-    // Data.
-    let ic = model.image_config.clone();
-    let opts = data_options(cfg, &ic);
-    let train_set = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
-    tracing::info!(stats = ?train_set.stats, "training data {}", train_set.path.display());
-    let val_opts =
-        DataOptions { ask_repeat: 1, say_repeat: 1, extra_task_modes: vec![], region_words: false, ..opts.clone() };
-    let val_set = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &val_opts, &tokenizer, &ic)).transpose()?;
-    if let Some(v) = &val_set {
-        tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());
-    }
-    let val_episodes = match cfg.data.val.as_deref() {
-        Some(p) if cfg.run.eval_episodes > 0 => {
-            agent_eval::load_val_episodes(p, cfg.run.eval_episodes, cfg.data.skip_bad_records)?
+impl<'a> Run<'a> {
+    /// Loads the training and validation data with `model`'s tokenizer and image processor, and derives
+    /// the schedule from the training set's size.
+    fn load(cfg: &'a TrainConfig, device: Device, model: &Qwen2Vl) -> Result<Self> {
+        let tokenizer = model.tokenizer()?;
+        let ic = model.image_config.clone();
+        let opts = data_options(cfg, &ic);
+        let train = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
+        tracing::info!(stats = ?train.stats, "training data {}", train.path.display());
+        let val_opts =
+            DataOptions { ask_repeat: 1, say_repeat: 1, extra_task_modes: vec![], region_words: false, ..opts.clone() };
+        let val = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &val_opts, &tokenizer, &ic)).transpose()?;
+        if let Some(v) = &val {
+            tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());
         }
-        _ => Vec::new(),
-    };
-    let eval_mode = agent_eval::mode_for(cfg.data.task_mode);
+        let val_episodes = match cfg.data.val.as_deref() {
+            Some(p) if cfg.run.eval_episodes > 0 => {
+                agent_eval::load_val_episodes(p, cfg.run.eval_episodes, cfg.data.skip_bad_records)?
+            }
+            _ => Vec::new(),
+        };
+        let eval_mode = agent_eval::mode_for(cfg.data.task_mode);
+        let o = &cfg.optim;
+        let n = train.samples.len();
+        let total =
+            if o.max_steps > 0 { o.max_steps } else { o.epochs * data::steps_per_epoch(n, cfg.sequences_per_step()) };
+        let warmup = o.warmup_steps.unwrap_or((o.warmup_ratio * total as f64).ceil() as usize);
+        let schedule = Schedule { peak: o.lr, warmup, total, min_ratio: o.min_lr_ratio };
+        Ok(Self { cfg, device, tokenizer, train, val, val_episodes, eval_mode, prompt: opts.prompt, schedule })
+    }
 
-    // Adapter and optimiser, fresh or from the checkpoint.
-    let ckpt = control.resume.as_deref().map(snapshot::find).transpose()?;
-    let (mut opt, state) = adapter_and_optimiser(&mut model, cfg, ckpt.as_deref())?;
-    let o = &cfg.optim;
-
-    // The schedule.
-    let n = train_set.samples.len();
-    let per_step = cfg.sequences_per_step();
-    let total_steps = if o.max_steps > 0 { o.max_steps } else { o.epochs * data::steps_per_epoch(n, per_step) };
-    let warmup = o.warmup_steps.unwrap_or((o.warmup_ratio * total_steps as f64).ceil() as usize);
-    let schedule = Schedule { peak: o.lr, warmup, total: total_steps, min_ratio: o.min_lr_ratio };
-    if ckpt.is_some() && (state.total_steps != total_steps || state.seed != cfg.run.seed) {
-        tracing::warn!(
-            "the checkpoint was written by a run of {} steps with seed {}; this run has {total_steps} steps and \
-             seed {}: it will not reproduce the original run",
-            state.total_steps,
-            state.seed,
-            cfg.run.seed
+    /// Logs the run's shape, and warns when a resumed snapshot was written by a run of another length or seed.
+    fn log_start(&self, resumed: Option<&TrainerState>, trainable_tensors: usize, start_step: usize) {
+        let (cfg, total_steps) = (self.cfg, self.schedule.total);
+        if let Some(state) = resumed.filter(|s| s.total_steps != total_steps || s.seed != cfg.run.seed) {
+            tracing::warn!(
+                "the checkpoint was written by a run of {} steps with seed {}; this run has {total_steps} steps and \
+                 seed {}: it will not reproduce the original run",
+                state.total_steps,
+                state.seed,
+                cfg.run.seed
+            );
+        }
+        tracing::info!(
+            samples = self.train.samples.len(),
+            sequences_per_step = cfg.sequences_per_step(),
+            total_steps,
+            warmup = self.schedule.warmup,
+            trainable_tensors,
+            start_step,
+            "training"
         );
     }
-    tracing::info!(
-        samples = n,
-        sequences_per_step = per_step,
-        total_steps,
-        warmup,
-        trainable_tensors = opt.len(),
-        start_step = state.step,
-        "training"
-    );
+}
 
+/// Where a run reports: metrics.jsonl, samples.jsonl and the progress bar (log lines go around it).
+struct Logs {
+    metrics: Metrics,
+    samples: Metrics,
+    bar: indicatif::ProgressBar,
+}
+
+/// Creates `--output-dir` and opens the run's logs, keeping what was logged up to `start_step`. A fresh
+/// run (not `resumed`) into a folder that holds snapshots is refused: it would overwrite them.
+fn open_output(cfg: &TrainConfig, resumed: bool, start_step: usize, total_steps: usize) -> Result<Logs> {
     let out = &cfg.run.output_dir;
-    if ckpt.is_none() && cfg.run.save_checkpoints {
+    if !resumed && cfg.run.save_checkpoints {
         if let Ok(existing) = snapshot::find(out) {
             return Err(TrainError::Config(format!(
                 "{} already holds checkpoints ({}); pass --resume {} to continue that run, or choose another \
@@ -309,8 +332,8 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
         }
     }
     std::fs::create_dir_all(out).map_err(io(out))?;
-    let mut metrics = Metrics::open(out, METRICS_FILE, state.step)?;
-    let mut samples_log = Metrics::open(out, SAMPLES_FILE, state.step)?;
+    let metrics = Metrics::open(out, METRICS_FILE, start_step)?;
+    let samples = Metrics::open(out, SAMPLES_FILE, start_step)?;
     let bar = if cfg.run.progress {
         indicatif::ProgressBar::new(total_steps as u64)
     } else {
@@ -320,142 +343,18 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]")
             .expect("valid template"),
     );
-    bar.set_position(state.step as u64);
+    bar.set_position(start_step as u64);
     bar.reset_eta();
+    Ok(Logs { metrics, samples, bar })
+}
 
-    let save = |model: &Qwen2Vl, opt: &AdamW, state: &TrainerState| -> Result<PathBuf> {
-        let dir = snapshot::write_atomically(out, &snapshot::dir_name(state.step), |tmp| {
-            match cfg.model.mode {
-                Mode::Full => crate::init::save_model(model, tmp)?,
-                Mode::Lora => model.save_adapter_as(ADAPTER, tmp, cfg.run.adapter_keys.into())?,
-            }
-            opt.save(&tmp.join(snapshot::OPTIMIZER_FILE))?;
-            snapshot::write_state(tmp, state)?;
-            let path = tmp.join(snapshot::CONFIG_FILE);
-            std::fs::write(&path, cfg.to_toml()).map_err(io(path))
-        })?;
-        bar.suspend(|| tracing::info!(step = state.step, "checkpoint {}", dir.display()));
-        draw_curves(out)?;
-        Ok(dir)
-    };
-
-    let mut summary = TrainSummary {
-        steps: vec![],
-        val_losses: vec![],
-        agent_metrics: vec![],
-        samples: vec![],
-        train_data: train_set.stats.clone(),
-        val_data: val_set.as_ref().map(|v| v.stats.clone()),
-        total_steps,
-        last_checkpoint: ckpt.clone(),
-        stopped_early: false,
-    };
-    let mut state = TrainerState { total_steps, seed: cfg.run.seed, ..state };
-    let started = Instant::now();
-    let mut saved_at = ckpt.as_ref().map(|_| state.step);
-    let step_opts = |step: usize, micro: usize| StepOptions {
-        checkpointing: cfg.run.grad_checkpointing,
-        dropout_seed: dropout_seed(cfg.run.seed, step, micro),
-        region_weight: cfg.data.region_weight,
-        region_layer: cfg.data.region_layer,
-    };
-
-    while state.step < total_steps {
-        if control.stop_after.is_some_and(|n| state.step >= n) {
-            summary.stopped_early = true;
-            break;
-        }
-        let t0 = Instant::now();
-        let (indices, next) = data::step_samples(n, per_step, cfg.run.seed, state.position);
-        let samples: Vec<_> = indices.iter().map(|&i| &train_set.samples[i]).collect();
-        let supervised: usize = samples.iter().map(|s| s.supervised_tokens()).sum();
-        let tokens: usize = samples.iter().map(|s| s.ids.len()).sum();
-
-        // Micro-batches: forward + backward, gradients accumulated with token weights.
-        let mut grads: Vec<Option<Tensor>> = vec![None; opt.len()];
-        let (mut loss_sum, mut counted) = (0.0, 0);
-        for (micro, chunk) in samples.chunks(o.batch_size).enumerate() {
-            let batch =
-                chunk.iter().map(|s| data::example(s, &model.image_config, &device)).collect::<Result<Vec<_>>>()?;
-            let out = model.loss_and_grads(&batch, &step_opts(state.step, micro))?;
-            if !out.loss.is_finite() {
-                return Err(TrainError::NonFinite {
-                    what: "loss",
-                    value: out.loss,
-                    step: state.step + 1,
-                    micro_batch: Some(micro),
-                    last_checkpoint: summary.last_checkpoint.clone(),
-                });
-            }
-            let w = out.supervised_tokens as f64 / supervised as f64;
-            loss_sum += out.loss * w;
-            counted += out.supervised_tokens;
-            for (slot, (_, var)) in grads.iter_mut().zip(opt.vars()) {
-                if let Some(g) = out.grads.get(var.as_tensor()) {
-                    let g = (g * w)?;
-                    *slot = Some(match slot.take() {
-                        Some(acc) => (acc + g)?,
-                        None => g,
-                    });
-                }
-            }
-        }
-        if counted != supervised {
-            // The weights above would not sum to 1: the loader's mask and the model's disagree.
-            return Err(TrainError::Data(format!(
-                "step {}: the model supervised {counted} tokens where the data marks {supervised}",
-                state.step + 1
-            )));
-        }
-
-        // Clip, step.
-        let grad_norm = clip_grad_norm(&mut grads, o.max_grad_norm)?;
-        if !grad_norm.is_finite() {
-            return Err(TrainError::NonFinite {
-                what: "gradient norm",
-                value: grad_norm,
-                step: state.step + 1,
-                micro_batch: None,
-                last_checkpoint: summary.last_checkpoint.clone(),
-            });
-        }
-        let lr = schedule.lr(state.step);
-        opt.step(&grads, lr)?;
-        // A finite gradient can still overflow a weight; such weights must never reach a checkpoint.
-        if !opt.all_finite()? {
-            return Err(TrainError::NonFinite {
-                what: "updated adapter",
-                value: f64::NAN,
-                step: state.step + 1,
-                micro_batch: None,
-                last_checkpoint: summary.last_checkpoint.clone(),
-            });
-        }
-        state = TrainerState {
-            step: state.step + 1,
-            position: next,
-            loss: loss_sum,
-            tokens: state.tokens + tokens as u64,
-            ..state
-        };
-
-        // One log line.
-        let secs = t0.elapsed().as_secs_f64();
-        let log = StepLog {
-            step: state.step,
-            epoch: next.epoch,
-            loss: loss_sum,
-            lr,
-            grad_norm,
-            sequences: samples.len(),
-            tokens,
-            supervised_tokens: supervised,
-            tokens_per_s: tokens as f64 / secs.max(1e-9),
-            elapsed_s: started.elapsed().as_secs_f64(),
-        };
-        metrics.write(&log)?;
-        bar.set_message(format!("loss {:.4} lr {:.2e} {:.0} tok/s", log.loss, lr, log.tokens_per_s));
-        bar.set_position(state.step as u64);
+impl Logs {
+    /// One step's log line: metrics.jsonl, the progress bar and tracing.
+    fn step(&mut self, log: &StepLog) -> Result<()> {
+        self.metrics.write(log)?;
+        let bar = &self.bar;
+        bar.set_message(format!("loss {:.4} lr {:.2e} {:.0} tok/s", log.loss, log.lr, log.tokens_per_s));
+        bar.set_position(log.step as u64);
         bar.reset_eta();
         bar.suspend(|| {
             tracing::info!(
@@ -468,83 +367,291 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
                 "step"
             )
         });
-        summary.steps.push(log);
+        Ok(())
+    }
+}
 
-        // Periodic eval and checkpoint.
-        let last = state.step == total_steps;
-        if let Some(val) = &val_set {
-            let every = cfg.run.eval_every;
-            if last || (every > 0 && state.step % every == 0) {
-                let v = eval_loss(&model, val, cfg, &device)?;
-                let mut line = serde_json::json!({"step": state.step, "val_loss": v});
-                let mut agent = None;
-                if !val_episodes.is_empty() {
-                    let (m, r) = agent_eval::run_agent_eval(
-                        model,
-                        &val_episodes,
-                        eval_mode,
-                        &opts.prompt,
-                        cfg.run.eval_max_new_tokens,
-                    )?;
-                    model = m;
-                    let a = r?;
-                    if let (Some(l), serde_json::Value::Object(extra)) =
-                        (line.as_object_mut(), serde_json::to_value(&a).expect("serialises"))
-                    {
-                        l.extend(extra);
-                    }
-                    agent = Some(a);
-                }
-                metrics.write(&line)?;
-                bar.suspend(|| {
-                    let a = agent.as_ref();
-                    tracing::info!(
-                        step = state.step,
-                        val_loss = v,
-                        ssr = a.and_then(|a| a.ssr),
-                        sr = a.and_then(|a| a.sr),
-                        ask_precision = a.and_then(|a| a.ask_precision),
-                        ask_recall = a.and_then(|a| a.ask_recall),
-                        ask_f1 = a.and_then(|a| a.ask_f1),
-                        eval_episodes = a.map(|a| a.eval_episodes),
-                        "eval"
-                    )
+/// Whether a periodic action (every `every` steps, 0: only at the end) is due after `step`.
+fn due(every: usize, step: usize, last: bool) -> bool {
+    last || (every > 0 && step % every == 0)
+}
+
+/// The error that stops the run at step `step` (1-based) when `value`, the `what`, is not finite; it names
+/// `last`, the last good snapshot.
+fn non_finite(
+    what: &'static str,
+    value: f64,
+    step: usize,
+    micro_batch: Option<usize>,
+    last: Option<&Path>,
+) -> TrainError {
+    TrainError::NonFinite { what, value, step, micro_batch, last_checkpoint: last.map(Path::to_path_buf) }
+}
+
+/// The model options of micro-batch `micro` of step `step`.
+fn step_options(cfg: &TrainConfig, step: usize, micro: usize) -> StepOptions {
+    StepOptions {
+        checkpointing: cfg.run.grad_checkpointing,
+        dropout_seed: dropout_seed(cfg.run.seed, step, micro),
+        region_weight: cfg.data.region_weight,
+        region_layer: cfg.data.region_layer,
+    }
+}
+
+/// Forward + backward over `samples` in micro-batches of `--batch-size`, each micro-batch's loss and
+/// gradients weighted by its share of the step's `supervised` tokens; returns the accumulated gradients (in
+/// `opt`'s order) and the step's loss. `step` is the number of steps done before this one.
+fn micro_batches(
+    model: &Qwen2Vl,
+    opt: &AdamW,
+    samples: &[&PreparedSample],
+    supervised: usize,
+    run: &Run,
+    step: usize,
+    last: Option<&Path>,
+) -> Result<(Vec<Option<Tensor>>, f64)> {
+    let mut grads: Vec<Option<Tensor>> = vec![None; opt.len()];
+    let (mut loss_sum, mut counted) = (0.0, 0);
+    for (micro, chunk) in samples.chunks(run.cfg.optim.batch_size).enumerate() {
+        let batch =
+            chunk.iter().map(|s| data::example(s, &model.image_config, &run.device)).collect::<Result<Vec<_>>>()?;
+        let out = model.loss_and_grads(&batch, &step_options(run.cfg, step, micro))?;
+        if !out.loss.is_finite() {
+            return Err(non_finite("loss", out.loss, step + 1, Some(micro), last));
+        }
+        let w = out.supervised_tokens as f64 / supervised as f64;
+        loss_sum += out.loss * w;
+        counted += out.supervised_tokens;
+        for (slot, (_, var)) in grads.iter_mut().zip(opt.vars()) {
+            if let Some(g) = out.grads.get(var.as_tensor()) {
+                let g = (g * w)?;
+                *slot = Some(match slot.take() {
+                    Some(acc) => (acc + g)?,
+                    None => g,
                 });
-                summary.val_losses.push((state.step, v));
-                summary.agent_metrics.extend(agent.map(|a| (state.step, a)));
-                if let Some(sample) = val.samples.first() {
-                    let p = agent_eval::sample_prediction(&model, &tokenizer, sample, cfg.run.eval_max_new_tokens)?;
-                    let mut line = serde_json::json!({"step": state.step});
-                    if let (Some(l), serde_json::Value::Object(extra)) =
-                        (line.as_object_mut(), serde_json::to_value(&p).expect("serialises"))
-                    {
-                        l.extend(extra);
-                    }
-                    samples_log.write(&line)?;
-                    bar.suspend(|| {
-                        tracing::info!(
-                            step = state.step,
-                            episode = %p.episode,
-                            episode_step = p.episode_step,
-                            predicted = %p.predicted,
-                            target = %p.target,
-                            "sample"
-                        )
-                    });
-                    summary.samples.push((state.step, p));
-                }
             }
         }
-        let every = cfg.run.save_every;
-        if cfg.run.save_checkpoints && (last || (every > 0 && state.step % every == 0)) {
-            summary.last_checkpoint = Some(save(&model, &opt, &state)?);
+    }
+    if counted != supervised {
+        // The weights above would not sum to 1: the loader's mask and the model's disagree.
+        return Err(TrainError::Data(format!(
+            "step {}: the model supervised {counted} tokens where the data marks {supervised}",
+            step + 1
+        )));
+    }
+    Ok((grads, loss_sum))
+}
+
+/// Clips `grads` and takes the AdamW step at the schedule's learning rate; returns (gradient norm, lr).
+/// A non-finite norm stops the run before the update, non-finite weights after it.
+fn clip_and_step(
+    opt: &mut AdamW,
+    grads: &mut [Option<Tensor>],
+    run: &Run,
+    step: usize,
+    last: Option<&Path>,
+) -> Result<(f64, f64)> {
+    let grad_norm = clip_grad_norm(grads, run.cfg.optim.max_grad_norm)?;
+    if !grad_norm.is_finite() {
+        return Err(non_finite("gradient norm", grad_norm, step + 1, None, last));
+    }
+    let lr = run.schedule.lr(step);
+    opt.step(grads, lr)?;
+    // A finite gradient can still overflow a weight; such weights must never reach a snapshot.
+    if !opt.all_finite()? {
+        return Err(non_finite("updated adapter", f64::NAN, step + 1, None, last));
+    }
+    Ok((grad_norm, lr))
+}
+
+/// One optimiser step from `state`: the samples of its data position, micro-batches, clip and step.
+/// Advances `state` and returns the step's log; `last` is the last good snapshot, which errors name.
+fn train_step(
+    model: &Qwen2Vl,
+    opt: &mut AdamW,
+    state: &mut TrainerState,
+    run: &Run,
+    last: Option<&Path>,
+    started: Instant,
+) -> Result<StepLog> {
+    let t0 = Instant::now();
+    let n = run.train.samples.len();
+    let (indices, next) = data::step_samples(n, run.cfg.sequences_per_step(), run.cfg.run.seed, state.position);
+    let samples: Vec<_> = indices.iter().map(|&i| &run.train.samples[i]).collect();
+    let supervised: usize = samples.iter().map(|s| s.supervised_tokens()).sum();
+    let tokens: usize = samples.iter().map(|s| s.ids.len()).sum();
+    let (mut grads, loss) = micro_batches(model, opt, &samples, supervised, run, state.step, last)?;
+    let (grad_norm, lr) = clip_and_step(opt, &mut grads, run, state.step, last)?;
+    state.step += 1;
+    state.position = next;
+    state.loss = loss;
+    state.tokens += tokens as u64;
+    let secs = t0.elapsed().as_secs_f64();
+    Ok(StepLog {
+        step: state.step,
+        epoch: next.epoch,
+        loss,
+        lr,
+        grad_norm,
+        sequences: samples.len(),
+        tokens,
+        supervised_tokens: supervised,
+        tokens_per_s: tokens as f64 / secs.max(1e-9),
+        elapsed_s: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// `line` (a JSON object) with the fields of `extra` added.
+fn with_fields(mut line: serde_json::Value, extra: &impl Serialize) -> serde_json::Value {
+    if let (Some(l), serde_json::Value::Object(extra)) =
+        (line.as_object_mut(), serde_json::to_value(extra).expect("serialises"))
+    {
+        l.extend(extra);
+    }
+    line
+}
+
+/// The periodic eval after step `step`: the validation loss of `val` and, with `--eval-episodes`, the agent
+/// metrics (one metrics.jsonl line), then one sample prediction; each is logged and kept in `summary`. The
+/// agent eval borrows the model by value, so it is taken and given back.
+fn periodic_eval(
+    mut model: Qwen2Vl,
+    val: &Dataset,
+    run: &Run,
+    step: usize,
+    logs: &mut Logs,
+    summary: &mut TrainSummary,
+) -> Result<Qwen2Vl> {
+    let cfg = run.cfg;
+    let v = eval_loss(&model, val, cfg, &run.device)?;
+    let mut line = serde_json::json!({"step": step, "val_loss": v});
+    let mut agent = None;
+    if !run.val_episodes.is_empty() {
+        let (m, r) = agent_eval::run_agent_eval(
+            model,
+            &run.val_episodes,
+            run.eval_mode,
+            &run.prompt,
+            cfg.run.eval_max_new_tokens,
+        )?;
+        model = m;
+        let a = r?;
+        line = with_fields(line, &a);
+        agent = Some(a);
+    }
+    logs.metrics.write(&line)?;
+    logs.bar.suspend(|| {
+        let a = agent.as_ref();
+        tracing::info!(
+            step,
+            val_loss = v,
+            ssr = a.and_then(|a| a.ssr),
+            sr = a.and_then(|a| a.sr),
+            ask_precision = a.and_then(|a| a.ask_precision),
+            ask_recall = a.and_then(|a| a.ask_recall),
+            ask_f1 = a.and_then(|a| a.ask_f1),
+            eval_episodes = a.map(|a| a.eval_episodes),
+            "eval"
+        )
+    });
+    summary.val_losses.push((step, v));
+    summary.agent_metrics.extend(agent.map(|a| (step, a)));
+    if let Some(sample) = val.samples.first() {
+        let p = agent_eval::sample_prediction(&model, &run.tokenizer, sample, cfg.run.eval_max_new_tokens)?;
+        logs.samples.write(&with_fields(serde_json::json!({"step": step}), &p))?;
+        logs.bar.suspend(|| {
+            tracing::info!(
+                step,
+                episode = %p.episode,
+                episode_step = p.episode_step,
+                predicted = %p.predicted,
+                target = %p.target,
+                "sample"
+            )
+        });
+        summary.samples.push((step, p));
+    }
+    Ok(model)
+}
+
+/// Writes the snapshot of `state` (the model's trained weights, the optimiser, the trainer state and the
+/// config) atomically into `--output-dir`, then redraws curves.svg; returns its folder.
+fn save_snapshot(
+    model: &Qwen2Vl,
+    opt: &AdamW,
+    state: &TrainerState,
+    cfg: &TrainConfig,
+    bar: &indicatif::ProgressBar,
+) -> Result<PathBuf> {
+    let out = &cfg.run.output_dir;
+    let dir = snapshot::write_atomically(out, &snapshot::dir_name(state.step), |tmp| {
+        match cfg.model.mode {
+            Mode::Full => crate::init::save_model(model, tmp)?,
+            Mode::Lora => model.save_adapter_as(ADAPTER, tmp, cfg.run.adapter_keys.into())?,
+        }
+        opt.save(&tmp.join(snapshot::OPTIMIZER_FILE))?;
+        snapshot::write_state(tmp, state)?;
+        let path = tmp.join(snapshot::CONFIG_FILE);
+        std::fs::write(&path, cfg.to_toml()).map_err(io(path))
+    })?;
+    bar.suspend(|| tracing::info!(step = state.step, "checkpoint {}", dir.display()));
+    draw_curves(out)?;
+    Ok(dir)
+}
+
+/// Runs (or, with `control.resume`, continues) the training that `cfg` describes.
+pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
+    cfg.validate()?;
+    tracing::info!("resolved config:\n{}", cfg.to_toml());
+    let (device, dtype) = pick_device(&cfg.model)?;
+    let mut model = load_model(cfg, &device, dtype)?;
+    let run = Run::load(cfg, device, &model)?;
+
+    // Adapter and optimiser, fresh or from the snapshot.
+    let ckpt = control.resume.as_deref().map(snapshot::find).transpose()?;
+    let (mut opt, state) = adapter_and_optimiser(&mut model, cfg, ckpt.as_deref())?;
+    run.log_start(ckpt.as_ref().map(|_| &state), opt.len(), state.step);
+    let total_steps = run.schedule.total;
+    let mut logs = open_output(cfg, ckpt.is_some(), state.step, total_steps)?;
+
+    let mut summary = TrainSummary {
+        steps: vec![],
+        val_losses: vec![],
+        agent_metrics: vec![],
+        samples: vec![],
+        train_data: run.train.stats.clone(),
+        val_data: run.val.as_ref().map(|v| v.stats.clone()),
+        total_steps,
+        last_checkpoint: ckpt.clone(),
+        stopped_early: false,
+    };
+    let mut state = TrainerState { total_steps, seed: cfg.run.seed, ..state };
+    let started = Instant::now();
+    let mut saved_at = ckpt.as_ref().map(|_| state.step);
+
+    while state.step < total_steps {
+        if control.stop_after.is_some_and(|n| state.step >= n) {
+            summary.stopped_early = true;
+            break;
+        }
+        let log = train_step(&model, &mut opt, &mut state, &run, summary.last_checkpoint.as_deref(), started)?;
+        logs.step(&log)?;
+        summary.steps.push(log);
+
+        // Periodic eval and snapshot.
+        let last = state.step == total_steps;
+        if let Some(val) = run.val.as_ref().filter(|_| due(cfg.run.eval_every, state.step, last)) {
+            model = periodic_eval(model, val, &run, state.step, &mut logs, &mut summary)?;
+        }
+        if cfg.run.save_checkpoints && due(cfg.run.save_every, state.step, last) {
+            summary.last_checkpoint = Some(save_snapshot(&model, &opt, &state, cfg, &logs.bar)?);
             saved_at = Some(state.step);
         }
     }
     if summary.stopped_early && cfg.run.save_checkpoints && saved_at != Some(state.step) {
-        summary.last_checkpoint = Some(save(&model, &opt, &state)?);
+        summary.last_checkpoint = Some(save_snapshot(&model, &opt, &state, cfg, &logs.bar)?);
     }
-    draw_curves(out)?;
-    bar.finish_and_clear();
+    draw_curves(&cfg.run.output_dir)?;
+    logs.bar.finish_and_clear();
     Ok(summary)
 }
