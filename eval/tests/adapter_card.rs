@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use askgui_data::{AdapterCard, PromptConfig, SystemPrompt};
-use askgui_eval::identity::AgentIdentity;
 use askgui_eval::backends::from_args;
+use askgui_eval::identity::AgentIdentity;
 use common::args;
 
 const TINY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/fixtures/tiny-qwen2_5_vl");
