@@ -2,16 +2,16 @@
 //! position, micro-batches (forward + backward, gradients accumulated), clipping, the AdamW step, one log
 //! line (tracing, metrics.jsonl, the progress bar), then the periodic eval (the validation loss, the
 //! model run as an agent on validation episodes by askgui-eval, one sample prediction: [`crate::agent_eval`])
-//! and checkpoint (with a redrawn curves.svg).
+//! and snapshot (with a redrawn curves.svg). Each of these is a named function that `train` calls in order.
 //!
 //! Accumulation weights each micro-batch's mean loss and gradients by its share of the step's supervised
 //! tokens, so a step's loss and gradient are those of one batch holding all its sequences (the mean over
 //! every supervised token, as transformers' `labels` with -100 elsewhere), whatever the micro-batch size.
 //!
-//! Resuming: the adapter, the optimiser state, the step and the data position come from the checkpoint;
+//! Resuming: the adapter, the optimiser state, the step and the data position come from the snapshot;
 //! the data order and the dropout masks are functions of (seed, epoch, step), so a resumed run computes
 //! the same steps as an uninterrupted one. A non-finite loss or gradient norm stops the run before the
-//! update, and non-finite weights after it stop it before any checkpoint, so the last checkpoint written
+//! update, and non-finite weights after it stop it before any snapshot, so the last snapshot written
 //! stays the last good one.
 
 use std::io::Write;
@@ -55,7 +55,7 @@ pub struct StepLog {
 /// What a run did.
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
-    /// The steps this invocation ran (a resumed run starts after the checkpoint's step).
+    /// The steps this invocation ran (a resumed run starts after the snapshot's step).
     pub steps: Vec<StepLog>,
     /// `(step, val loss)` of each eval.
     pub val_losses: Vec<(usize, f64)>,
@@ -81,7 +81,7 @@ struct Metrics(std::fs::File, PathBuf);
 
 impl Metrics {
     /// Opens `dir/name`, keeping only the lines of steps up to `keep_through` (a resumed run drops what an
-    /// interrupted run logged after its checkpoint).
+    /// interrupted run logged after its snapshot).
     fn open(dir: &Path, name: &str, keep_through: usize) -> Result<Self> {
         let path = dir.join(name);
         let old = std::fs::read_to_string(&path).unwrap_or_default();
@@ -184,7 +184,7 @@ fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
     }
 }
 
-/// Installs the trainable adapter, loaded from checkpoint `ckpt` or new, and the optimiser over it; returns
+/// Installs the trainable adapter, loaded from snapshot `ckpt` or new, and the optimiser over it; returns
 /// where the run stands.
 fn adapter_and_optimiser(model: &mut Qwen2Vl, cfg: &TrainConfig, ckpt: Option<&Path>) -> Result<(AdamW, TrainerState)> {
     if cfg.model.mode == Mode::Full {
