@@ -589,6 +589,9 @@ fn save_snapshot(
             Mode::Full => crate::init::save_model(model, tmp)?,
             Mode::Lora => model.save_adapter_as(ADAPTER, tmp, cfg.run.adapter_keys.into())?,
         }
+        // The prompt and image settings the model was trained with travel with it (askgui.json), so that
+        // eval and serve apply them by default.
+        crate::adapter_card::write(tmp, &data_options(cfg, &model.image_config))?;
         opt.save(&tmp.join(snapshot::OPTIMIZER_FILE))?;
         snapshot::write_state(tmp, state)?;
         let path = tmp.join(snapshot::CONFIG_FILE);

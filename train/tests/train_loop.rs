@@ -537,3 +537,18 @@ fn bf16_trains_on_the_cpu_like_f32() {
         assert!(b.is_finite() && (a - b).abs() <= 0.02 * a.abs(), "{f32_losses:?} vs {bf16_losses:?}");
     }
 }
+
+/// Every checkpoint carries `askgui.json`: the prompt and image settings the run trained with, which eval
+/// and serve then apply by default.
+#[test]
+fn checkpoints_carry_the_runs_prompt_and_image_settings() {
+    let dir = scratch("card");
+    let data = episodes(&dir, 1);
+    let flags = "--lr 5e-3 --warmup-steps 0 --max-steps 1 --save-every 1 --lora-rank 4 --system-prompt compact";
+    let summary = askgui_train::train(&config(&data, &dir.join("run"), flags), &none()).unwrap();
+    let ckpt = summary.last_checkpoint.expect("a checkpoint");
+    let card: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("askgui.json")).expect("askgui.json")).unwrap();
+    assert_eq!(card["image"]["max_pixels"], 12544, "{card}");
+    assert_eq!(card["prompt"]["system_prompt"], "compact", "{card}");
+}
