@@ -26,7 +26,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let argv = std::iter::once("askgui-train".to_string()).chain(args.train_args.iter().cloned());
-    let (cfg, _) = askgui_train::config::from_args(argv)?;
+    let (cfg, _) = askgui_train::cli::from_args(argv)?;
     let batches = askgui_train::trainer::planned_batches(&cfg, args.steps)?;
     let file = std::fs::File::create(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let mut w = std::io::BufWriter::new(file);

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use askgui_data::{FrameKind, SystemPrompt, TaskMode};
 use clap::parser::ValueSource;
-use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use clap::{ArgMatches, Args, FromArgMatches, ValueEnum};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -286,16 +286,10 @@ pub struct TrainConfig {
     pub run: RunArgs,
 }
 
-/// The command line: the config's flags plus what only makes sense for one invocation, or a subcommand.
-#[derive(Parser, Debug)]
-#[command(
-    name = "askgui-train",
-    about = "Fine-tune a Qwen2.5-VL / Qwen2-VL GUI agent on askgui episodes (without a subcommand: train)",
-    args_conflicts_with_subcommands = true
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Option<Command>,
+/// A training command line: the config's flags plus what only makes sense for one invocation
+/// (`crate::cli::Cli` flattens it beside the subcommands).
+#[derive(Args, Debug)]
+pub struct TrainArgs {
     /// A TOML file with the same options, grouped as in the saved config.toml; flags override it.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -311,17 +305,6 @@ pub struct Cli {
     pub stop_after: Option<usize>,
     #[command(flatten)]
     pub cfg: TrainConfig,
-}
-
-/// The tools besides training; each takes its own flags.
-#[derive(Subcommand, Debug)]
-pub enum Command {
-    /// Fold a LoRA adapter into its base checkpoint and write a plain Hugging Face checkpoint.
-    Merge(crate::merge::MergeArgs),
-    /// Synthetic world -> base agent from scratch -> LoRA+ASK -> eval, on the CPU with nothing downloaded.
-    Demo(crate::demo::DemoArgs),
-    /// Check every kernel against its plain-candle reference on this device; exits non-zero if one fails.
-    CheckGpu(crate::check_gpu::CheckGpuArgs),
 }
 
 /// What one invocation adds to the config: where it continues from and where it stops.
@@ -412,23 +395,9 @@ pub fn resolve(layers: &[(String, Value)]) -> Result<TrainConfig> {
     Ok(cfg)
 }
 
-/// Parses a training command line (`argv` as the binary gets it, no subcommand) and resolves the layers.
-pub fn from_args<I, T>(argv: I) -> Result<(TrainConfig, RunControl)>
-where
-    I: IntoIterator<Item = T>,
-    T: Into<std::ffi::OsString> + Clone,
-{
-    let matches = Cli::command().try_get_matches_from(argv).map_err(|e| TrainError::Cli(Box::new(e)))?;
-    let cli = Cli::from_arg_matches(&matches).map_err(|e| TrainError::Cli(Box::new(e)))?;
-    if cli.command.is_some() {
-        return Err(TrainError::Config("a subcommand was given where a training command line was expected".into()));
-    }
-    from_matches(&cli, &matches)
-}
-
 /// The training config of a parsed command line: the layers resolved, reading the files it names.
 /// `matches` are the ones `cli` was parsed from (they say which flags were given).
-pub fn from_matches(cli: &Cli, matches: &ArgMatches) -> Result<(TrainConfig, RunControl)> {
+pub fn from_matches(cli: &TrainArgs, matches: &ArgMatches) -> Result<(TrainConfig, RunControl)> {
     let mut layers = Vec::new();
     if let Some(p) = cli.preset {
         layers.push((format!("--preset {}", p.to_possible_value().expect("named").get_name()), preset_layer(p)));
@@ -541,6 +510,7 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::from_args;
 
     fn parse(args: &[&str]) -> Result<TrainConfig> {
         from_args(std::iter::once("askgui-train").chain(args.iter().copied())).map(|(c, _)| c)

@@ -17,6 +17,7 @@ pub mod agent_eval;
 pub mod alloc;
 pub mod bpe;
 pub mod check_gpu;
+pub mod cli;
 pub mod config;
 pub mod data;
 pub mod demo;

@@ -13,7 +13,7 @@
 use std::io::IsTerminal;
 
 use anyhow::Result;
-use askgui_train::config::{Cli, Command};
+use askgui_train::cli::{Cli, Command};
 use clap::{CommandFactory, FromArgMatches};
 
 fn main() -> Result<()> {
@@ -53,7 +53,7 @@ fn main() -> Result<()> {
 
 /// The training run of a command line without a subcommand.
 fn train(cli: &Cli, matches: &clap::ArgMatches) -> Result<()> {
-    let (cfg, control) = askgui_train::config::from_matches(cli, matches)?;
+    let (cfg, control) = askgui_train::config::from_matches(&cli.train, matches)?;
     let summary = askgui_train::train(&cfg, &control)?;
     let last = summary.steps.last();
     tracing::info!(

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use askgui_data::synth::{synth, SynthArgs};
 use askgui_model::Qwen2Vl;
-use askgui_train::config::from_args;
+use askgui_train::cli::from_args;
 use askgui_train::RunControl;
 use candle_core::{DType, Device};
 

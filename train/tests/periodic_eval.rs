@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use askgui_data::synth::{synth, SynthArgs};
-use askgui_train::config::from_args;
+use askgui_train::cli::from_args;
 use askgui_train::{RunControl, TrainConfig};
 use serde_json::Value;
 

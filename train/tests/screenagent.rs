@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use askgui_model::Qwen2Vl;
-use askgui_train::config::from_args;
+use askgui_train::cli::from_args;
 use askgui_train::{RunControl, TrainConfig};
 use candle_core::{DType, Device};
 

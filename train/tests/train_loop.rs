@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use askgui_data::synth::{synth, SynthArgs};
 use askgui_data::PromptConfig;
 use askgui_model::{ImageProcessorConfig, QwenTokenizer};
-use askgui_train::config::from_args;
+use askgui_train::cli::from_args;
 use askgui_train::data::{self, DataOptions};
 use askgui_train::snapshot;
 use askgui_train::{RunControl, TrainConfig, TrainError};
