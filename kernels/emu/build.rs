@@ -10,17 +10,22 @@
 
 use std::fmt::Write as _;
 
+/// Edits of a mutant: `(find, replace)`, each applied once.
+type Edits = &'static [(&'static str, &'static str)];
+
 /// A planted bug: module name, the `.cu` it copies, and the exact edits (each must match once, so that a
-/// change to the kernels that moves the mutated line fails the build instead of silently testing nothing).
+/// change to the kernels that moves the mutated line fails the build instead of silently testing nothing):
+/// the bug itself, then the instantiations the mutant leaves out.
 struct Mutant {
     module: &'static str,
     source: &'static str,
-    edits: &'static [(&'static str, &'static str)],
+    bug: Edits,
+    trim: Edits,
 }
 
 /// The attention mutants keep only the head-dim-64 instantiations (compile time); `ATTN_F32_64` also drops
 /// bf16.
-const ATTN_F32_64: [(&str, &str); 5] = [
+const ATTN_F32_64: Edits = &[
     ("  ASKGUI_ATTENTION(NAME, T, 32)                                                                      \\\n", ""),
     ("  ASKGUI_ATTENTION(NAME, T, 80)                                                                      \\\n", ""),
     ("  ASKGUI_ATTENTION(NAME, T, 96)                                                                      \\\n", ""),
@@ -33,40 +38,28 @@ const MUTANTS: &[Mutant] = &[
     Mutant {
         module: "attention_missing_barrier",
         source: "attention.cu",
-        edits: &[
-            ("    __syncthreads();\n\n    // dS = scale * P * (dP - D_i)", "    // mutant: no barrier\n\n    // dS = scale * P * (dP - D_i)"),
-            ATTN_F32_64[0],
-            ATTN_F32_64[1],
-            ATTN_F32_64[2],
-            ATTN_F32_64[3],
-            ATTN_F32_64[4],
-        ],
+        bug: &[("    __syncthreads();\n\n    // dS = scale * P * (dP - D_i)", "    // mutant: no barrier\n\n    // dS = scale * P * (dP - D_i)")],
+        trim: ATTN_F32_64,
     },
     // The forward's row-max shuffle leaves lane 31 out of its own mask.
     Mutant {
         module: "attention_shfl_mask",
         source: "attention.cu",
-        edits: &[
-            (
-                "      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));",
-                "      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0x7fffffffu, mx, o));",
-            ),
-            ATTN_F32_64[0],
-            ATTN_F32_64[1],
-            ATTN_F32_64[2],
-            ATTN_F32_64[3],
-            ATTN_F32_64[4],
-        ],
+        bug: &[(
+            "      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));",
+            "      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0x7fffffffu, mx, o));",
+        )],
+        trim: ATTN_F32_64,
     },
     // The tensor-core forward loads its Q fragments one bf16 past a 32-byte boundary.
     Mutant {
         module: "attention_tc_misaligned",
         source: "attention_tc.cu",
-        edits: &[
-            (
-                "wmma::load_matrix_sync(qa[kk], Qs + warp * 16 * LDH + kk * 16, LDH);",
-                "wmma::load_matrix_sync(qa[kk], Qs + warp * 16 * LDH + kk * 16 + 1, LDH);",
-            ),
+        bug: &[(
+            "wmma::load_matrix_sync(qa[kk], Qs + warp * 16 * LDH + kk * 16, LDH);",
+            "wmma::load_matrix_sync(qa[kk], Qs + warp * 16 * LDH + kk * 16 + 1, LDH);",
+        )],
+        trim: &[
             ("ASKGUI_ATTENTION_TC(32)\n", ""),
             ("ASKGUI_ATTENTION_TC(80)\n", ""),
             ("ASKGUI_ATTENTION_TC(96)\n", ""),
@@ -104,7 +97,7 @@ fn emu_build(sources: &[PathBuf], out: &Path) {
         let mdir = dir.join("mutants").join(m.module);
         std::fs::create_dir_all(&mdir).expect("create a mutant dir");
         let mut text = std::fs::read_to_string(Path::new("cuda").join(m.source)).expect("read a mutant's source");
-        for (find, replace) in m.edits {
+        for (find, replace) in m.bug.iter().chain(m.trim) {
             assert!(
                 text.matches(find).count() == 1,
                 "mutant {}: the edit target {find:?} is not exactly once in cuda/{}; update kernels/emu/build.rs",

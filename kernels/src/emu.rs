@@ -10,8 +10,8 @@
 //! The C++ side (`emu/runtime.cpp`) checks barriers, warp masks, deadlock, wmma operands and shared
 //! memory bounds. Tests: `cargo test -p askgui-kernels --features cpu-exec --test emu`.
 
-use crate::plan::{Arg, Caps, Elem, Init, Plan};
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+use crate::plan::{pod_words, Arg, Caps, Elem, Init, Plan};
+use std::alloc::{alloc, dealloc, Layout};
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::fmt;
 
@@ -108,27 +108,28 @@ struct HostBuf {
 }
 
 impl HostBuf {
-    fn new(len: usize, fill: Option<u8>) -> Self {
-        let layout = Layout::from_size_align(len.max(1), 256).expect("a buffer size below isize::MAX");
+    const ALIGN: usize = 256;
+
+    /// `len` bytes, each set to `byte`.
+    fn filled(len: usize, byte: u8) -> Self {
+        let layout = Layout::from_size_align(len.max(1), Self::ALIGN).expect("a buffer size below isize::MAX");
         // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
+        let ptr = unsafe { alloc(layout) };
         assert!(!ptr.is_null(), "out of memory allocating {len} bytes");
-        if let Some(b) = fill {
-            // SAFETY: `ptr` holds `len.max(1)` writable bytes.
-            unsafe { std::ptr::write_bytes(ptr, b, len) };
-        }
+        // SAFETY: `ptr` holds `len.max(1)` writable bytes; every one of the `len` used is written here.
+        unsafe { std::ptr::write_bytes(ptr, byte, len) };
         Self { ptr, len }
     }
 
     fn from_bytes(bytes: &[u8]) -> Self {
-        let b = Self::new(bytes.len(), None);
+        let b = Self::filled(bytes.len(), 0);
         // SAFETY: `b` holds `bytes.len()` bytes and does not overlap `bytes`.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), b.ptr, bytes.len()) };
         b
     }
 
     fn to_vec(&self) -> Vec<u8> {
-        // SAFETY: `ptr` holds `len` initialised bytes (zeroed, filled or copied at creation).
+        // SAFETY: `ptr` holds `len` initialised bytes (filled or copied at creation).
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
     }
 }
@@ -136,7 +137,7 @@ impl HostBuf {
 impl Drop for HostBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this very layout.
-        unsafe { dealloc(self.ptr, Layout::from_size_align(self.len.max(1), 256).expect("as allocated")) };
+        unsafe { dealloc(self.ptr, Layout::from_size_align(self.len.max(1), Self::ALIGN).expect("as allocated")) };
     }
 }
 
@@ -198,8 +199,8 @@ pub fn run(plan: &Plan, inputs: &[&[u8]], opts: &Options) -> Result<Vec<Vec<u8>>
             }
             Init::Host(h) if h.len() == bytes => HostBuf::from_bytes(h),
             Init::Host(h) => return Err(err(format!("table `{}` has {} bytes, expected {bytes}", b.name, h.len()))),
-            Init::Zeroed => HostBuf::new(bytes, None),
-            Init::Uninit => HostBuf::new(bytes, Some(0xff)),
+            Init::Zeroed => HostBuf::filled(bytes, 0),
+            Init::Uninit => HostBuf::filled(bytes, 0xff),
         });
     }
     for (n, l) in plan.launches.iter().enumerate() {
@@ -221,27 +222,19 @@ pub fn run(plan: &Plan, inputs: &[&[u8]], opts: &Options) -> Result<Vec<Vec<u8>>
         let mut values: Vec<Vec<u64>> = Vec::with_capacity(l.args.len());
         for (i, (a, s)) in l.args.iter().zip(sig).enumerate() {
             check_arg(plan, a, s).map_err(|m| at(format!("argument {i}: {m}")))?;
-            let mut words = vec![0u64; 1];
-            match a {
+            let words = match a {
                 Arg::Buf { buf, offset } => {
                     let b = &bufs[*buf];
                     // SAFETY: `offset <= len` (checked by `Plan::check`), so the pointer stays in the allocation.
-                    words[0] = unsafe { b.ptr.add(offset * plan.buffers[*buf].elem.size()) } as u64;
+                    vec![unsafe { b.ptr.add(offset * plan.buffers[*buf].elem.size()) } as u64]
                 }
-                Arg::I32(v) => words[0] = *v as u32 as u64,
-                Arg::U32(v) => words[0] = *v as u64,
-                Arg::I64(v) => words[0] = *v as u64,
-                Arg::U64(v) => words[0] = *v,
-                Arg::F32(v) => words[0] = v.to_bits() as u64,
-                Arg::Pod { bytes, .. } => {
-                    words = vec![0u64; bytes.len().div_ceil(8)];
-                    for (k, c) in bytes.chunks(8).enumerate() {
-                        let mut w = [0u8; 8];
-                        w[..c.len()].copy_from_slice(c);
-                        words[k] = u64::from_le_bytes(w);
-                    }
-                }
-            }
+                Arg::I32(v) => vec![*v as u32 as u64],
+                Arg::U32(v) => vec![*v as u64],
+                Arg::I64(v) => vec![*v as u64],
+                Arg::U64(v) => vec![*v],
+                Arg::F32(v) => vec![v.to_bits() as u64],
+                Arg::Pod { bytes, .. } => pod_words(bytes),
+            };
             values.push(words);
         }
         let ptrs: Vec<*mut c_void> = values.iter_mut().map(|w| w.as_mut_ptr() as *mut c_void).collect();

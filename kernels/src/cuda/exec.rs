@@ -7,7 +7,7 @@
 //! more than 48 KiB of dynamic shared memory when its launch asks for it.
 
 use crate::cuda::ptx;
-use crate::plan::{Arg, Caps, Elem, Init, Module, Plan};
+use crate::plan::{pod_words, Arg, Caps, Elem, Init, Module, Plan};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
@@ -135,8 +135,7 @@ pub fn run(dev: &CudaDevice, plan: &Plan, inputs: &[(&CudaStorage, usize)]) -> R
                     let b = bufs[*buf].as_ref().expect("buffers are taken only after the launches");
                     views.push(view(b, *offset, plan.buffers[*buf].elem.size()));
                 }
-                Arg::Pod { bytes, .. } => words
-                    .push(bytes.chunks(8).map(|c| c.iter().rev().fold(0u64, |w, &x| (w << 8) | x as u64)).collect()),
+                Arg::Pod { bytes, .. } => words.push(pod_words(bytes)),
                 _ => {}
             }
         }

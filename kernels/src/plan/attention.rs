@@ -180,7 +180,7 @@ fn add_forward(
     (q, q_stride): (usize, i32),
     [k, v, out, lse]: [usize; 4],
 ) -> Result<(), PlanError> {
-    let sfx = elem.suffix();
+    let sfx = elem.name();
     let (module, name, smem, threads) = if elem == Elem::Bf16 && tc_smem(g.dp) <= caps.smem_optin {
         (Module::AttentionTc, format!("attention_fwd_tc_bf16_{}", g.dp), tc_smem(g.dp), 32 * TC_WARPS as u32)
     } else {
@@ -249,7 +249,7 @@ pub fn backward(p: &Problem, elem: Elem, caps: &Caps, saved_lse: bool) -> Result
             1,
         ];
         let args = vec![buf(qod), buf(delta), Arg::I64(g.rows as i64), Arg::I32(g.d)];
-        plan.launch(Module::Attention, format!("attention_delta_{}", elem.suffix()), grid, [256, 1, 1], 0, args)?;
+        plan.launch(Module::Attention, format!("attention_delta_{}", elem.name()), grid, [256, 1, 1], 0, args)?;
 
         // Tensor cores for bf16 where they fit, else the largest CUDA-core tiles that fit.
         let (module, name, smem, threads, tk_rows) = if elem == Elem::Bf16 && tc_bwd_smem(g.dp) <= caps.smem_optin {
@@ -270,7 +270,7 @@ pub fn backward(p: &Problem, elem: Elem, caps: &Caps, saved_lse: bool) -> Result
                     caps.name
                 )
             })?;
-            let name = format!("attention_bwd_{infix}{}_{}", elem.suffix(), g.dp);
+            let name = format!("attention_bwd_{infix}{}_{}", elem.name(), g.dp);
             (Module::Attention, name, bwd_smem(g.dp, tq, tk), THREADS, tk)
         };
         let mut args = vec![buf(qod), buf(k), buf(v), buf(lse), buf(delta), buf(dacc)];

@@ -38,7 +38,7 @@ fn rows(
         Arg::I32(int(p.op, "the vocabulary", v)?),
     ];
     let (grid, block) = per_row(p.op, n, row_threads(v, ROW_THREADS))?;
-    p.launch(Module::CrossEntropy, format!("ce_fwd_{}", elem.suffix()), grid, block, 0, args)?;
+    p.launch(Module::CrossEntropy, format!("ce_fwd_{}", elem.name()), grid, block, 0, args)?;
     Ok((loss, lse))
 }
 
@@ -64,7 +64,7 @@ pub fn forward(n: usize, v: usize, n_sup: usize, elem: Elem) -> Result<Plan, Pla
         Arg::I32(int(op, "supervised rows", n_sup)?),
         Arg::Buf { buf: out, offset: 0 },
     ];
-    p.launch(Module::CrossEntropy, format!("ce_mean_{}", elem.suffix()), [1, 1, 1], [1024, 1, 1], 0, args)?;
+    p.launch(Module::CrossEntropy, format!("ce_mean_{}", elem.name()), [1, 1, 1], [1024, 1, 1], 0, args)?;
     p.outputs.extend([out, lse]);
     Ok(p)
 }
@@ -97,7 +97,7 @@ pub fn backward(n: usize, v: usize, n_sup: usize, scale: f64, saved_lse: bool, e
         Arg::I32(int(op, "the vocabulary", v)?),
     ];
     let (grid, block) = per_row(op, n, row_threads(v, ROW_THREADS))?;
-    p.launch(Module::CrossEntropy, format!("ce_bwd_{}", elem.suffix()), grid, block, 0, args)?;
+    p.launch(Module::CrossEntropy, format!("ce_bwd_{}", elem.name()), grid, block, 0, args)?;
     p.outputs.push(out);
     Ok(p)
 }

@@ -40,7 +40,8 @@ impl Elem {
         }
     }
 
-    /// The name of the C type (`float` is `f32`, `__nv_bfloat16` is `bf16`, `long long` is `i64`, ...).
+    /// The name of the C type (`float` is `f32`, `__nv_bfloat16` is `bf16`, `long long` is `i64`, ...),
+    /// which is also the suffix of the kernels compiled for that storage type (`rms_norm_fwd_bf16`).
     pub fn name(self) -> &'static str {
         match self {
             Elem::F32 => "f32",
@@ -50,11 +51,6 @@ impl Elem {
             Elem::U32 => "u32",
             Elem::I64 => "i64",
         }
-    }
-
-    /// The kernel-name suffix of a float storage type.
-    pub fn suffix(self) -> &'static str {
-        self.name()
     }
 }
 
@@ -97,6 +93,19 @@ pub enum Arg {
         name: &'static str,
         bytes: Vec<u8>,
     },
+}
+
+/// A struct argument's bytes as little-endian u64 words: 8-byte aligned storage that both executors pass
+/// the kernel a pointer to (the kernel copies the parameter's size from there).
+pub fn pod_words(bytes: &[u8]) -> Vec<u64> {
+    bytes
+        .chunks(8)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            u64::from_le_bytes(w)
+        })
+        .collect()
 }
 
 /// The `.cu` file (and PTX module) a kernel lives in.

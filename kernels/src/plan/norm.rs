@@ -59,7 +59,7 @@ pub fn forward(kind: Kind, rows: usize, d: usize, eps: f64, elem: Elem) -> Resul
     args.extend(b.map(|b| Arg::Buf { buf: b, offset: 0 }));
     args.extend([Arg::Buf { buf: y, offset: 0 }, Arg::I32(int(op, "the row length", d)?), Arg::F32(eps as f32)]);
     let (grid, block) = per_row(op, rows, row_threads(d, 1024))?;
-    p.launch(Module::Norm, format!("{op}_fwd_{}", elem.suffix()), grid, block, 0, args)?;
+    p.launch(Module::Norm, format!("{op}_fwd_{}", elem.name()), grid, block, 0, args)?;
     p.outputs.push(y);
     Ok(p)
 }
@@ -96,7 +96,7 @@ pub fn backward(kind: Kind, rows: usize, d: usize, eps: f64, trained: bool, elem
     ];
     let (grid, block) = per_row(op, blocks, row_threads(d, 512))?;
     let shared = if acc_shared { params * 4 } else { 0 };
-    p.launch(Module::Norm, format!("{op}_{}", elem.suffix()), grid, block, shared, args)?;
+    p.launch(Module::Norm, format!("{op}_{}", elem.name()), grid, block, shared, args)?;
     if params > 0 {
         let args = vec![
             Arg::Buf { buf: partial, offset: 0 },
@@ -106,7 +106,7 @@ pub fn backward(kind: Kind, rows: usize, d: usize, eps: f64, trained: bool, elem
             Arg::U64((rows * d) as u64),
         ];
         let grid = [params.div_ceil(256) as u32, 1, 1];
-        p.launch(Module::Norm, format!("norm_param_reduce_{}", elem.suffix()), grid, [256, 1, 1], 0, args)?;
+        p.launch(Module::Norm, format!("norm_param_reduce_{}", elem.name()), grid, [256, 1, 1], 0, args)?;
     }
     p.outputs.push(out);
     Ok(p)

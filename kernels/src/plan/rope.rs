@@ -106,7 +106,7 @@ pub fn plan(
         Arg::I32(int(op, "half the head dim", d / 2)?),
     ];
     let blocks = pairs.div_ceil(256).min(1 << 20) as u32;
-    p.launch(Module::Rope, format!("{op}_{}", elem.suffix()), [blocks, 1, 1], [256, 1, 1], 0, args)?;
+    p.launch(Module::Rope, format!("{op}_{}", elem.name()), [blocks, 1, 1], [256, 1, 1], 0, args)?;
     p.outputs.push(y);
     Ok(p)
 }

@@ -41,7 +41,7 @@ pub fn plan(b: &BatchPlan, elem: Elem) -> Result<Plan, PlanError> {
     let mut vargs = vec![buf(inter), buf(out), buf(desc), buf(taps), buf(weights)];
     vargs.extend([m[0], m[1], m[2], s[0], s[1], s[2]].map(Arg::F32));
     vargs.extend([g.patch_size, g.merge_size, g.temporal_patch_size].map(|x| Arg::I32(x as i32)));
-    let kernel = format!("tiling_vpass_patchify_{}", elem.suffix());
+    let kernel = format!("tiling_vpass_patchify_{}", elem.name());
     p.launch(Module::Tiling, kernel, grid(b.max_v_work, b.len())?, [THREADS, 1, 1], 0, vargs)?;
     p.outputs.push(out);
     Ok(p)
