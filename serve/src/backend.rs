@@ -14,14 +14,9 @@ use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse};
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot};
 
-/// A decoded image, already checked against the server's pixel limit.
-#[derive(Debug, Clone)]
-pub struct ImageInput {
-    pub image: Arc<image::RgbImage>,
-    /// A hash of the encoded bytes, so that the same screenshot sent twice is recognised (an encoder
-    /// cache key).
-    pub hash: u64,
-}
+/// A decoded image, already checked against the server's pixel limit, with a hash of its encoded bytes
+/// (so that the same screenshot sent twice is recognised).
+pub use askgui_runtime::ImageInput;
 
 /// `POST /v1/agent/step` (or a session step turned into one).
 #[derive(Debug, Clone)]
@@ -98,13 +93,8 @@ impl Job {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// A stop token or stop string.
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-}
+/// Why a chat completion ended.
+pub use askgui_runtime::FinishReason;
 
 /// The answer to a [`ChatJob`].
 #[derive(Debug, Clone)]
@@ -136,6 +126,18 @@ pub enum BackendError {
     Cancelled,
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+impl From<askgui_runtime::RuntimeError> for BackendError {
+    fn from(e: askgui_runtime::RuntimeError) -> Self {
+        use askgui_runtime::RuntimeError as R;
+        match e {
+            R::BadInput(m) => BackendError::BadInput(m),
+            R::ContextOverflow { tokens, limit } => BackendError::ContextOverflow { tokens, limit },
+            R::Cancelled => BackendError::Cancelled,
+            R::Internal(m) => BackendError::Internal(m),
+        }
+    }
 }
 
 /// What the backend serves, for `/v1/models`, `/health` and request validation.

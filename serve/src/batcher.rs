@@ -1,7 +1,7 @@
 //! Continuous batching: the meeting point of job threads and the thread that owns the model.
 //!
 //! Every job runs its decoding logic (prompt, constrained template, sampling, stop rules) as plain
-//! sequential code on a thread of its own, and asks for model work through a [`Client`]: "run these new
+//! sequential code on a thread of its own ([`askgui_runtime::Runtime`]), and asks for model work through a [`Client`]: "run these new
 //! tokens on this KV cache and give me the logits of the last rows" ([`Item`]). The model's owner waits
 //! until every job that is using the model has handed in its request (or finished), then runs all of them
 //! as ONE packed forward ([`askgui_model::Qwen2Vl::decode_packed`]) and answers each. A job that arrives
@@ -15,34 +15,12 @@
 
 use std::cell::Cell;
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use askgui_model::text::KvCache;
-use askgui_model::ProcessedImage;
+use askgui_runtime::{Forward, Item, ItemOut, RuntimeError};
 
-use crate::backend::BackendError;
-
-/// One sequence's share of a forward.
-pub struct Item {
-    /// New tokens, run after what `cache` holds.
-    pub ids: Vec<u32>,
-    /// Their M-RoPE positions.
-    pub positions: Vec<[u32; 3]>,
-    /// The images whose `<|image_pad|>` runs are in `ids`, in order, with their content hashes.
-    pub images: Vec<(u64, Arc<ProcessedImage>)>,
-    pub cache: KvCache,
-    /// How many of the last rows need logits (1 for the next token; more to score a continuation).
-    pub logits_rows: usize,
-}
-
-/// The answer to one [`Item`]: its cache with the new tokens appended, and the logits of its last rows.
-pub struct ItemOut {
-    pub cache: KvCache,
-    pub logits: Vec<Vec<f32>>,
-}
-
-pub type Reply = Result<Vec<ItemOut>, BackendError>;
+pub type Reply = askgui_runtime::Result<Vec<ItemOut>>;
 
 /// One job's request: its items run in the same forward (e.g. every action name scored at once).
 pub struct Ticket {
@@ -127,9 +105,11 @@ impl<'b> Client<'b> {
     pub fn new(batcher: &'b Batcher, adapter: Option<String>) -> Self {
         Self { batcher, adapter, engaged: Cell::new(false) }
     }
+}
 
+impl Forward for Client<'_> {
     /// Runs `items` in the next forward and waits for their answers, in order.
-    pub fn run(&self, items: Vec<Item>) -> Reply {
+    fn run(&self, items: Vec<Item>) -> Reply {
         let (reply, answer) = mpsc::channel();
         {
             let mut st = self.batcher.lock();
@@ -139,7 +119,11 @@ impl<'b> Client<'b> {
             st.tickets.push(Ticket { adapter: self.adapter.clone(), items, reply });
         }
         self.batcher.changed.notify_all();
-        answer.recv().unwrap_or_else(|_| Err(BackendError::Internal("the model thread dropped this request".into())))
+        answer.recv().unwrap_or_else(|_| Err(RuntimeError::Internal("the model thread dropped this request".into())))
+    }
+
+    fn adapter(&self) -> Option<&str> {
+        self.adapter.as_deref()
     }
 }
 
@@ -158,6 +142,8 @@ impl Drop for Client<'_> {
 
 #[cfg(test)]
 mod tests {
+    use askgui_model::text::KvCache;
+
     use super::*;
 
     fn item() -> Item {
@@ -224,7 +210,7 @@ mod tests {
                     Round::Done => break,
                 }
             }
-            assert!(matches!(h.join().unwrap(), Err(BackendError::Internal(_))));
+            assert!(matches!(h.join().unwrap(), Err(RuntimeError::Internal(_))));
         });
     }
 }

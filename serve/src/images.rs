@@ -5,12 +5,10 @@
 //! allocation limits as a second fence. Decoding is CPU work: handlers call [`decode`] on actix's
 //! blocking pool, never on a worker thread.
 
-use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
 use std::io::Cursor;
 use std::sync::Arc;
-use std::sync::OnceLock;
 
+use askgui_runtime::content_hash;
 use image::{ImageFormat, ImageReader, Limits};
 
 use crate::backend::ImageInput;
@@ -56,14 +54,6 @@ pub fn decode(bytes: &[u8], max_pixels: u64, what: &str) -> Result<ImageInput, H
         .map_err(|e| HttpError::bad_request(format!("{what}: the {w}x{h} image does not decode: {e}")))?
         .to_rgb8();
     Ok(ImageInput { image: Arc::new(image), hash: content_hash(bytes) })
-}
-
-/// The cache key of an image's bytes: SipHash with keys drawn at random once per process, so that no
-/// client can craft an image whose key collides with another client's screenshot (and be answered
-/// from that screenshot's cached vision features).
-pub fn content_hash(bytes: &[u8]) -> u64 {
-    static KEYS: OnceLock<RandomState> = OnceLock::new();
-    KEYS.get_or_init(RandomState::new).hash_one(bytes)
 }
 
 /// The bytes of an OpenAI `image_url.url`: only `data:image/png|jpeg;base64,...` (the server fetches

@@ -4,7 +4,7 @@
 //! they share is [`state::AppState`]) -> the engine ([`engine`]: a bounded queue and one backend thread) -> a
 //! [`backend::Backend`] that owns the model ([`model_backend::ModelBackend`]; [`stub::StubBackend`] in tests).
 //! Handlers parse and check requests and decode images ([`images`]); they never touch tensors. The model
-//! backend batches concurrent jobs continuously ([`batcher`]) and reuses prompt prefixes ([`prefix_cache`]).
+//! backend batches concurrent jobs continuously ([`batcher`]) and reuses prompt prefixes ([`askgui_runtime::prefix_cache`]).
 //! Errors map to statuses in [`error`]; sessions live in [`sessions`]; Prometheus metrics in [`metrics`].
 //!
 //! To run a server on a free port with some backend (what the tests do):
@@ -29,7 +29,6 @@ pub mod metrics;
 pub mod model_backend;
 pub mod openai;
 pub mod predict;
-pub mod prefix_cache;
 pub mod server;
 pub mod sessions;
 pub mod state;

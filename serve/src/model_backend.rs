@@ -1,33 +1,28 @@
 //! The model backend: a Qwen2.5-VL / Qwen2-VL checkpoint (and its LoRA adapters) behind [`Backend`].
 //!
-//! Key choice: continuous batching ([`crate::batcher`]). Each job's decoding logic (`decode`) runs on a
-//! thread of its own and asks for forwards through a [`Client`]; the one thread that owns the model
-//! (`runner`) runs every live job's next forward (prefills and decode steps alike) as one packed pass.
-//! The files: `decode` (prompts and the agent step; `decode/constrained` writes the arguments,
-//! `decode/chat` the chat completions, `decode/sequence` one sequence's cache), `sampling` (how a token
-//! or an option is picked), `runner` (packed forwards, vision features) and `cache` (byte-bounded maps).
-//! The serve README's "How the model answers" tells the decoding from the caller's side.
+//! Key choice: continuous batching ([`crate::batcher`]). Each job runs the agent runtime
+//! ([`askgui_runtime::Runtime`], the decoding `askgui-eval` and the trainer's eval run too) on a thread of
+//! its own and asks for forwards through a [`Client`]; the one thread that owns the model (`runner`) runs
+//! every live job's next forward (prefills and decode steps alike) as one packed pass. `jobs` turns a
+//! request into the runtime's step or completion. The serve README's "How the model answers" tells the
+//! decoding from the caller's side.
 
-mod cache;
-mod decode;
+mod jobs;
 mod runner;
-mod sampling;
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 use anyhow::{bail, Context};
 use askgui_data::agent_api::AgentStepResponse;
-use askgui_data::prompt::SystemPrompt;
-use askgui_data::{AdapterCard, FrameKind, PromptFlags};
-use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, ModelError, Qwen2Vl};
+use askgui_data::{AdapterCard, PromptConfig, PromptFlags};
+use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, Qwen2Vl};
+use askgui_runtime::{apply_image_bounds, Packed, Runtime};
 
 use crate::backend::{Backend, BackendError, BackendInfo, ChatJob, ChatOutput, Intake, Job, StepJob};
 use crate::batcher::{Batcher, Client};
 use crate::config::Config;
-use crate::prefix_cache::PrefixCache;
-use cache::ByteCache;
-use decode::Decoder;
+pub use jobs::runtime_step;
+use jobs::Jobs;
 use runner::Runner;
 
 /// How the backend is built.
@@ -71,8 +66,8 @@ impl From<&Config> for ModelBackendConfig {
 
 /// The askgui.json the server's prompt settings default to: those of the model folder and of every
 /// adapter (`cards`, by what they belong to) must agree on each setting no flag gives, since one server
-/// builds every prompt alike. Settings the server does not apply (a frame other than `resized`, history
-/// screenshots, element lists: the request decides those) are warned about.
+/// builds every prompt alike. Settings the server does not apply (history screenshots: a request carries
+/// one screenshot; element lists: the request decides) are warned about.
 pub fn served_card(flags: &PromptFlags, cards: &[(String, AdapterCard)]) -> anyhow::Result<Option<AdapterCard>> {
     let Some((first_name, first)) = cards.first() else { return Ok(None) };
     for (name, c) in cards {
@@ -80,6 +75,7 @@ pub fn served_card(flags: &PromptFlags, cards: &[(String, AdapterCard)]) -> anyh
             ("system-prompt", flags.system_prompt.is_none() && c.prompt.system_prompt != first.prompt.system_prompt),
             ("min-pixels", flags.min_pixels.is_none() && c.image.min_pixels != first.image.min_pixels),
             ("max-pixels", flags.max_pixels.is_none() && c.image.max_pixels != first.image.max_pixels),
+            ("frame", flags.frame.is_none() && c.prompt.frame != first.prompt.frame),
         ];
         if let Some((setting, _)) = differs.iter().find(|d| d.1) {
             bail!(
@@ -88,11 +84,10 @@ pub fn served_card(flags: &PromptFlags, cards: &[(String, AdapterCard)]) -> anyh
                  separate servers"
             );
         }
-        if c.prompt.frame != FrameKind::Resized || c.prompt.history_images > 0 {
+        if c.prompt.history_images > 0 {
             tracing::warn!(
-                "{name} was trained with frame {:?} and {} history screenshots (askgui.json); the server answers \
-                 in the resized frame with the current screenshot only",
-                c.prompt.frame,
+                "{name} was trained with {} earlier screenshots in each prompt (askgui.json); the server shows \
+                 the current screenshot only",
                 c.prompt.history_images
             );
         }
@@ -100,28 +95,10 @@ pub fn served_card(flags: &PromptFlags, cards: &[(String, AdapterCard)]) -> anyh
     Ok(Some(first.clone()))
 }
 
-/// The prefix cache's size when nothing says otherwise.
-pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 256 << 20;
-
-/// The model backend: the `Runner` that owns the model and the `Decoder` that jobs share.
+/// The model backend: the `Runner` that owns the model and the `Jobs` that answer requests.
 pub struct ModelBackend {
     runner: Runner,
-    decoder: Decoder,
-}
-
-fn model_err(e: ModelError) -> BackendError {
-    match e {
-        ModelError::Image { .. }
-        | ModelError::ImageTooLarge { .. }
-        | ModelError::ImageTooSmall { .. }
-        | ModelError::Tiling { .. }
-        | ModelError::Prompt(_) => BackendError::BadInput(e.to_string()),
-        e => BackendError::Internal(e.to_string()),
-    }
-}
-
-fn candle_err(e: candle_core::Error) -> BackendError {
-    BackendError::Internal(e.to_string())
+    jobs: Jobs,
 }
 
 impl ModelBackend {
@@ -146,42 +123,36 @@ impl ModelBackend {
             }
         }
         let flags = cfg.prompt.with_card(served_card(&cfg.prompt, &cards)?.as_ref());
-        let ic = &mut model.image_config;
-        ic.min_pixels = flags.min_pixels.unwrap_or(ic.min_pixels);
-        ic.max_pixels = flags.max_pixels.unwrap_or(ic.max_pixels);
-        if ic.min_pixels > ic.max_pixels {
-            bail!(
-                "min_pixels {} > max_pixels {}: give --min-pixels and --max-pixels that fit",
-                ic.min_pixels,
-                ic.max_pixels
-            );
-        }
-        let system = flags.system_prompt.unwrap_or_default();
-        tracing::info!(?system, min_pixels = ic.min_pixels, max_pixels = ic.max_pixels, "prompt settings");
-        Ok(Self::from_model(model, &cfg.model)?.with_prefix_cache(cfg.prefix_cache_bytes).with_system_prompt(system))
+        apply_image_bounds(&mut model, &flags)?;
+        let prompt = served_prompt(&flags);
+        let ic = &model.image_config;
+        tracing::info!(?prompt.system_prompt, ?prompt.frame, min_pixels = ic.min_pixels, max_pixels = ic.max_pixels, "prompt settings");
+        Ok(Self::new(model, &cfg.model, prompt)?.with_prefix_cache(cfg.prefix_cache_bytes))
     }
 
-    /// Sets the system prompt of every step's prompt (the one the model was trained with).
-    pub fn with_system_prompt(mut self, system: SystemPrompt) -> Self {
-        self.decoder.system_prompt = system;
-        self
+    /// Wraps a loaded model (its adapters already loaded), served under `model_id` with `prompt`.
+    pub fn new(model: Qwen2Vl, model_id: &str, prompt: PromptConfig) -> anyhow::Result<Self> {
+        let runtime = Runtime::new(&model, prompt).context("the model's tokenizer")?;
+        let mut adapters: Vec<String> = model.adapter_names().into_iter().map(String::from).collect();
+        adapters.sort();
+        let info = BackendInfo { model: model_id.into(), adapters, context_length: runtime.context_length() };
+        Ok(Self { runner: Runner { packed: Packed::new(model) }, jobs: Jobs { runtime, info } })
+    }
+
+    /// [`Self::new`] with the default prompt settings.
+    pub fn from_model(model: Qwen2Vl, model_id: &str) -> anyhow::Result<Self> {
+        Self::new(model, model_id, served_prompt(&PromptFlags::default()))
     }
 
     /// Sets the prefix cache's size in bytes (0: no reuse).
-    pub fn with_prefix_cache(mut self, bytes: usize) -> Self {
-        self.decoder.prefixes = Mutex::new(PrefixCache::new(bytes));
-        self
-    }
-
-    /// Wraps a loaded model (its adapters already loaded), served under `model_id`.
-    pub fn from_model(model: Qwen2Vl, model_id: &str) -> anyhow::Result<Self> {
-        let decoder = Decoder::new(&model, model_id)?;
-        Ok(Self { runner: Runner { model, features: ByteCache::new() }, decoder })
+    pub fn with_prefix_cache(self, bytes: usize) -> Self {
+        let Self { runner, jobs: Jobs { runtime, info } } = self;
+        Self { runner, jobs: Jobs { runtime: runtime.with_prefix_cache(bytes), info } }
     }
 
     /// One agent step with the model's active adapter (what `POST /v1/agent/step` runs, without a server).
     pub fn step(&mut self, job: &StepJob, cancelled: &dyn Fn() -> bool) -> Result<AgentStepResponse, BackendError> {
-        self.solo(|d, c| d.step(c, job, cancelled))
+        self.solo(|j, c| j.step(c, job, cancelled))
     }
 
     /// One chat completion with the model's active adapter, streaming text pieces to `stream`.
@@ -191,18 +162,18 @@ impl ModelBackend {
         stream: Option<&tokio::sync::mpsc::UnboundedSender<String>>,
         cancelled: &dyn Fn() -> bool,
     ) -> Result<ChatOutput, BackendError> {
-        self.solo(|d, c| d.chat(c, job, stream, cancelled))
+        self.solo(|j, c| j.chat(c, job, stream, cancelled))
     }
 
     /// Runs one job's logic on this thread while the model runs its forwards on another.
-    fn solo<T>(&mut self, work: impl FnOnce(&Decoder, &Client) -> T) -> T {
+    fn solo<T>(&mut self, work: impl FnOnce(&Jobs, &Client) -> T) -> T {
         let batcher = Batcher::default();
-        let Self { runner, decoder } = self;
-        let adapter = runner.model.active_adapter().map(String::from);
+        let Self { runner, jobs } = self;
+        let adapter = runner.packed.model.active_adapter().map(String::from);
         std::thread::scope(|s| {
             batcher.job_started();
             let owner = s.spawn(|| runner.serve(&batcher, &mut crate::backend::NoIntake, &|_| {}));
-            let out = work(decoder, &Client::new(&batcher, adapter));
+            let out = work(jobs, &Client::new(&batcher, adapter));
             if let Err(p) = owner.join() {
                 std::panic::resume_unwind(p);
             }
@@ -211,9 +182,15 @@ impl ModelBackend {
     }
 }
 
+/// The server's prompt settings: the flags (after askgui.json), with the element list shown whenever a
+/// request sends one and the current screenshot only (a request carries one).
+fn served_prompt(flags: &PromptFlags) -> PromptConfig {
+    PromptConfig { elements: true, history_images: 0, ..flags.config() }
+}
+
 impl Backend for ModelBackend {
     fn info(&self) -> BackendInfo {
-        self.decoder.info.clone()
+        self.jobs.info.clone()
     }
 
     fn run(&mut self, jobs: Vec<Job>) {
@@ -224,13 +201,13 @@ impl Backend for ModelBackend {
     /// between forwards while fewer than `max_batch` are live.
     fn run_continuous(&mut self, jobs: Vec<Job>, intake: &mut dyn Intake) {
         let batcher = Batcher::default();
-        let Self { runner, decoder } = self;
-        let decoder = &*decoder;
+        let Self { runner, jobs: shared } = self;
+        let shared = &*shared;
         std::thread::scope(|s| {
             let start = |job: Job| {
                 batcher.job_started();
                 let batcher = &batcher;
-                let body = move || decoder.answer(&Client::new(batcher, job.adapter.clone()), job);
+                let body = move || shared.answer(&Client::new(batcher, job.adapter.clone()), job);
                 if let Err(e) = std::thread::Builder::new().name("askgui-job".into()).spawn_scoped(s, body) {
                     // The job (and its reply sender) went with the closure: its client gets a 500.
                     tracing::error!(error = %e, "cannot start a job thread");

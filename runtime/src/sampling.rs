@@ -1,5 +1,6 @@
-//! How a token or an option is picked: softmax over log-probabilities, the greedy or sampled pick over
-//! options, the best allowed token, and one token's log-probability.
+//! How a token or an option is picked: the one token sampler (greedy at temperature 0, else temperature
+//! and nucleus sampling over the allowed tokens), softmax over log-probabilities, the greedy or sampled
+//! pick over options, and one token's log-probability.
 //!
 //! Key choice: plain functions over slices on the host, seeded by the caller's [`StdRng`], so that an
 //! answer is a function of the request's seed.
@@ -8,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 /// Softmax of log-probabilities.
-pub(super) fn normalise(logp: &[f64]) -> Vec<f64> {
+pub(crate) fn normalise(logp: &[f64]) -> Vec<f64> {
     let m = logp.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let e: Vec<f64> = logp.iter().map(|l| (l - m).exp()).collect();
     let s: f64 = e.iter().sum();
@@ -16,7 +17,7 @@ pub(super) fn normalise(logp: &[f64]) -> Vec<f64> {
 }
 
 /// The most likely index (temperature 0) or a sample at `temperature`; `exclude` is never picked.
-pub(super) fn pick(probs: &[f64], temperature: f64, rng: &mut StdRng, exclude: Option<usize>) -> usize {
+pub(crate) fn pick(probs: &[f64], temperature: f64, rng: &mut StdRng, exclude: Option<usize>) -> usize {
     let w: Vec<f64> = probs
         .iter()
         .enumerate()
@@ -39,7 +40,7 @@ pub(super) fn pick(probs: &[f64], temperature: f64, rng: &mut StdRng, exclude: O
 /// Index `i` with probability `w[i] / sum(w)` (weights need not sum to one), from one
 /// `rng.random::<f64>()`. `None` when the draw runs past the last weight (rounding, or a total that is
 /// zero or not finite): each caller keeps its own fallback.
-pub(super) fn weighted_pick(w: &[f64], rng: &mut StdRng) -> Option<usize> {
+pub(crate) fn weighted_pick(w: &[f64], rng: &mut StdRng) -> Option<usize> {
     let total: f64 = w.iter().sum();
     let mut r = rng.random::<f64>() * total;
     for (i, &x) in w.iter().enumerate() {
@@ -52,7 +53,7 @@ pub(super) fn weighted_pick(w: &[f64], rng: &mut StdRng) -> Option<usize> {
 }
 
 /// The best-scoring token among those `allowed`, with its logit.
-pub(super) fn best(logits: &[f32], allowed: impl Fn(usize) -> bool) -> Option<(u32, f32)> {
+pub(crate) fn best(logits: &[f32], allowed: impl Fn(usize) -> bool) -> Option<(u32, f32)> {
     let mut out: Option<(u32, f32)> = None;
     for (i, &v) in logits.iter().enumerate() {
         if allowed(i) && out.is_none_or(|(_, b)| v > b) {
@@ -62,8 +63,44 @@ pub(super) fn best(logits: &[f32], allowed: impl Fn(usize) -> bool) -> Option<(u
     out
 }
 
+/// The next token among `allowed`: the best one at temperature 0, else a draw from the softmax of
+/// `logits / temperature` over the allowed tokens, cut to the most likely ones whose mass reaches
+/// `top_p` (1.0: no cut).
+pub(crate) fn sample(
+    logits: &[f32],
+    allowed: impl Fn(usize) -> bool,
+    temperature: f64,
+    top_p: f64,
+    rng: &mut StdRng,
+) -> u32 {
+    let greedy = || best(logits, &allowed).map(|(t, _)| t).unwrap_or(0);
+    if temperature <= 0.0 {
+        return greedy();
+    }
+    let m = logits.iter().enumerate().filter(|(i, _)| allowed(*i)).map(|(_, &v)| v).fold(f32::NEG_INFINITY, f32::max);
+    let mut w: Vec<f64> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| if allowed(i) { (((v - m) as f64) / temperature).exp() } else { 0.0 })
+        .collect();
+    if top_p < 1.0 {
+        let total: f64 = w.iter().sum();
+        let mut order: Vec<usize> = (0..w.len()).filter(|&i| w[i] > 0.0).collect();
+        order.sort_by(|&a, &b| w[b].total_cmp(&w[a]));
+        let mut mass = 0.0;
+        let keep = order.iter().position(|&i| {
+            mass += w[i] / total;
+            mass >= top_p
+        });
+        for &i in &order[keep.map_or(order.len(), |k| k + 1)..] {
+            w[i] = 0.0;
+        }
+    }
+    weighted_pick(&w, rng).map_or_else(greedy, |i| i as u32)
+}
+
 /// `log p(tok)` under the softmax of `logits`.
-pub(super) fn log_softmax_at(logits: &[f32], tok: u32) -> f64 {
+pub(crate) fn log_softmax_at(logits: &[f32], tok: u32) -> f64 {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let s: f64 = logits.iter().map(|&v| (v as f64 - m).exp()).sum();
     logits[tok as usize] as f64 - m - s.ln()
@@ -97,5 +134,19 @@ mod tests {
         assert_eq!(a.random::<u64>(), b.random::<u64>(), "exactly one draw per pick");
         // Every weight excluded: `pick` falls back to the last positive weight, here none, so index 0.
         assert_eq!(pick(&[1.0], 0.7, &mut a, Some(0)), 0);
+    }
+
+    #[test]
+    fn sample_is_greedy_at_zero_keeps_to_the_allowed_tokens_and_cuts_the_nucleus() {
+        let mut rng = StdRng::seed_from_u64(1);
+        let logits = [0.1, 3.0, 3.0, -1.0];
+        assert_eq!(sample(&logits, |_| true, 0.0, 1.0, &mut rng), 1, "the first best token");
+        assert_eq!(sample(&logits, |i| i != 1, 0.0, 1.0, &mut rng), 2);
+        for _ in 0..200 {
+            let t = sample(&[5.0, 0.0, 4.9, 4.8], |i| i != 0, 1.0, 1.0, &mut rng);
+            assert_ne!(t, 0, "a token that is not allowed");
+            // 10.0 holds all but ~1e-4 of the mass: a 0.5 nucleus is that token alone.
+            assert_eq!(sample(&[10.0, 0.0, 0.0], |_| true, 1.0, 0.5, &mut rng), 0);
+        }
     }
 }

@@ -1,45 +1,43 @@
 //! One sequence being decoded: its KV cache, its next M-RoPE position and the logits for its next token.
 //!
-//! Key choice: its model work goes through the job's [`Client`] (the runner packs it with other jobs').
+//! Key choice: its model work goes through a [`Forward`] (the server's packs it with other jobs').
 //! A prompt prefills only what follows its longest cached prefix ([`crate::prefix_cache`]), and options
 //! are scored on copies of the cache, so scoring never changes the sequence.
 
-use std::sync::Arc;
-
+use askgui_model::mrope_positions;
 use askgui_model::text::KvCache;
-use askgui_model::{mrope_positions, ProcessedImage};
 
-use super::Decoder;
-use crate::backend::BackendError;
-use crate::batcher::{Client, Item, ItemOut};
-use crate::model_backend::model_err;
-use crate::model_backend::sampling::log_softmax_at;
+use crate::error::{Result, RuntimeError};
+use crate::forward::{Forward, Item, ItemOut};
 use crate::prefix_cache::{images_before, prompt_key};
+use crate::prompt::PreparedImage;
+use crate::sampling::log_softmax_at;
+use crate::Runtime;
 
 /// One sequence being decoded: its KV cache, the next M-RoPE position and the logits for the next token.
-/// Its model work goes through the job's [`Client`].
-pub(super) struct Seq<'c> {
-    client: &'c Client<'c>,
+/// Its model work goes through a [`Forward`].
+pub(crate) struct Seq<'f> {
+    fwd: &'f dyn Forward,
     cache: KvCache,
     next: u32,
-    pub(super) logits: Vec<f32>,
+    pub(crate) logits: Vec<f32>,
 }
 
-impl<'c> Seq<'c> {
+impl<'f> Seq<'f> {
     /// Prefills the prompt `ids` with its `images`, starting from the longest cached prefix; returns the
     /// sequence and how many prompt tokens came from the cache.
-    pub(super) fn prefill(
-        d: &Decoder,
-        client: &'c Client<'c>,
+    pub(crate) fn prefill(
+        rt: &Runtime,
+        fwd: &'f dyn Forward,
         ids: &[u32],
-        images: &[(u64, Arc<ProcessedImage>)],
-    ) -> Result<(Self, usize), BackendError> {
+        images: &[PreparedImage],
+    ) -> Result<(Self, usize)> {
         let grids: Vec<[usize; 3]> = images.iter().map(|(_, i)| i.grid_thw).collect();
-        let (pos, next) = mrope_positions(ids, &grids, &d.cfg).map_err(model_err)?;
+        let (pos, next) = mrope_positions(ids, &grids, &rt.cfg)?;
         let hashes: Vec<u64> = images.iter().map(|(h, _)| *h).collect();
-        let key = prompt_key(ids, d.cfg.image_token_id, &hashes);
-        let adapter = client.adapter.as_deref();
-        let found = d.prefixes.lock().unwrap_or_else(|p| p.into_inner()).lookup(adapter, &key);
+        let key = prompt_key(ids, rt.cfg.image_token_id, &hashes);
+        let adapter = fwd.adapter();
+        let found = rt.prefixes.lock().unwrap_or_else(|p| p.into_inner()).lookup(adapter, &key);
         let (start, cache) = found.unwrap_or_default();
         let item = Item {
             ids: ids[start..].to_vec(),
@@ -48,10 +46,10 @@ impl<'c> Seq<'c> {
             cache,
             logits_rows: 1,
         };
-        let ItemOut { cache, mut logits } = one(client.run(vec![item])?)?;
-        d.prefixes.lock().unwrap_or_else(|p| p.into_inner()).insert(adapter, key, cache.clone());
+        let ItemOut { cache, mut logits } = one(fwd.run(vec![item])?)?;
+        rt.prefixes.lock().unwrap_or_else(|p| p.into_inner()).insert(adapter, key, cache.clone());
         let logits = logits.pop().unwrap_or_default();
-        Ok((Self { client, cache, next, logits }, start))
+        Ok((Self { fwd, cache, next, logits }, start))
     }
 
     /// An item running `tokens` after this sequence (on a copy of its cache), with logits for its last
@@ -67,11 +65,11 @@ impl<'c> Seq<'c> {
     }
 
     /// Appends `tokens` to the sequence.
-    pub(super) fn feed(&mut self, tokens: &[u32]) -> Result<(), BackendError> {
+    pub(crate) fn feed(&mut self, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             return Ok(());
         }
-        let ItemOut { cache, mut logits } = one(self.client.run(vec![self.item(tokens, 1)])?)?;
+        let ItemOut { cache, mut logits } = one(self.fwd.run(vec![self.item(tokens, 1)])?)?;
         self.cache = cache;
         self.next += tokens.len() as u32;
         self.logits = logits.pop().unwrap_or_default();
@@ -80,11 +78,11 @@ impl<'c> Seq<'c> {
 
     /// `log p(option | sequence)` for each option, without changing the sequence: the options of more
     /// than one token run together in one forward, each on a copy of the cache.
-    pub(super) fn logprobs(&self, options: &[Vec<u32>]) -> Result<Vec<f64>, BackendError> {
+    pub(crate) fn logprobs(&self, options: &[Vec<u32>]) -> Result<Vec<f64>> {
         // Logits after each of option[..n-1] score option[1..].
         let forks: Vec<Item> =
             options.iter().filter(|o| o.len() > 1).map(|o| self.item(&o[..o.len() - 1], o.len() - 1)).collect();
-        let mut outs = if forks.is_empty() { Vec::new() } else { self.client.run(forks)? }.into_iter();
+        let mut outs = if forks.is_empty() { Vec::new() } else { self.fwd.run(forks)? }.into_iter();
         let mut total = Vec::with_capacity(options.len());
         for o in options {
             let Some((&first, rest)) = o.split_first() else {
@@ -93,7 +91,7 @@ impl<'c> Seq<'c> {
             };
             let mut l = log_softmax_at(&self.logits, first);
             if !rest.is_empty() {
-                let out = outs.next().ok_or_else(|| BackendError::Internal("a scoring forward went missing".into()))?;
+                let out = outs.next().ok_or_else(|| RuntimeError::Internal("a scoring forward went missing".into()))?;
                 for (row, &tok) in out.logits.iter().zip(rest) {
                     l += log_softmax_at(row, tok);
                 }
@@ -105,9 +103,9 @@ impl<'c> Seq<'c> {
 }
 
 /// The single answer of a one-item request.
-fn one(mut outs: Vec<ItemOut>) -> Result<ItemOut, BackendError> {
+fn one(mut outs: Vec<ItemOut>) -> Result<ItemOut> {
     match (outs.pop(), outs.is_empty()) {
         (Some(out), true) => Ok(out),
-        _ => Err(BackendError::Internal("a forward answered the wrong number of items".into())),
+        _ => Err(RuntimeError::Internal("a forward answered the wrong number of items".into())),
     }
 }

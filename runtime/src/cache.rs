@@ -10,21 +10,21 @@ const CACHE_BYTES: usize = 256 << 20;
 
 /// A map bounded in bytes: when an insert would go over the budget it starts again empty (screens of a
 /// session repeat back to back, so recency matters more than a careful eviction order).
-pub(super) struct ByteCache<K, V> {
+pub(crate) struct ByteCache<K, V> {
     map: HashMap<K, V>,
     bytes: usize,
 }
 
 impl<K: std::hash::Hash + Eq, V: Clone> ByteCache<K, V> {
-    pub(super) fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self { map: HashMap::new(), bytes: 0 }
     }
 
-    pub(super) fn get(&self, k: &K) -> Option<V> {
+    pub(crate) fn get(&self, k: &K) -> Option<V> {
         self.map.get(k).cloned()
     }
 
-    pub(super) fn insert(&mut self, k: K, v: V, bytes: usize) {
+    pub(crate) fn insert(&mut self, k: K, v: V, bytes: usize) {
         if self.bytes + bytes > CACHE_BYTES {
             self.map.clear();
             self.bytes = 0;

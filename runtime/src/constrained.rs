@@ -8,19 +8,19 @@
 //! answer can exceed it by those. Without `constrain` the model writes the rest freely and an answer
 //! that does not parse is an error.
 
-use super::{Decoder, Decoding};
-use crate::backend::BackendError;
-use crate::model_backend::model_err;
-use crate::model_backend::sampling::{best, normalise, pick};
+use crate::error::{Result, RuntimeError};
+use crate::sampling::{best, normalise, pick};
+use crate::step::Decoding;
+use crate::Runtime;
 
 /// Longest integer a constrained answer may write (coordinates, seconds).
-pub(super) const MAX_INT_DIGITS: usize = 6;
+pub(crate) const MAX_INT_DIGITS: usize = 6;
 /// The longest `wait` a constrained answer may ask for.
 const MAX_WAIT_SECONDS: u64 = 60;
 
-impl Decoder {
-    fn force(&self, dec: &mut Decoding, text: &mut String, lit: &str) -> Result<(), BackendError> {
-        let toks = self.tokenizer.encode(lit).map_err(model_err)?;
+impl Runtime {
+    fn force(&self, dec: &mut Decoding, text: &mut String, lit: &str) -> Result<()> {
+        let toks = self.tokenizer.encode(lit)?;
         dec.seq.feed(&toks)?;
         dec.generated += toks.len();
         text.push_str(lit);
@@ -29,7 +29,7 @@ impl Decoder {
 
     /// Decodes one integer in `0..=max`: digit tokens that keep the value in range, ended when a
     /// non-digit token would be more likely than any of them (or at [`MAX_INT_DIGITS`]).
-    fn int(&self, dec: &mut Decoding, text: &mut String, max: u64) -> Result<(), BackendError> {
+    fn int(&self, dec: &mut Decoding, text: &mut String, max: u64) -> Result<()> {
         // The digits so far: their value and how many (leading zeros count towards the length only).
         let (mut value, mut len) = (0u64, 0u32);
         while dec.generated < dec.budget || len == 0 {
@@ -60,7 +60,7 @@ impl Decoder {
 
     /// Decodes the inside of a JSON string: tokens safe in a string until the model prefers to close it
     /// (the quote token is more likely than any string token) or the budget ends.
-    fn string(&self, dec: &mut Decoding, text: &mut String) -> Result<(), BackendError> {
+    fn string(&self, dec: &mut Decoding, text: &mut String) -> Result<()> {
         let mut n = 0;
         // At least one token: the schema has no empty strings (an `ask` needs a question).
         while n == 0 || dec.generated < dec.budget {
@@ -72,7 +72,7 @@ impl Decoder {
                 break;
             }
             let tok = if dec.temperature > 0.0 { dec.sample(|i| self.string_token[i]) } else { tok };
-            text.push_str(&self.tokenizer.decode(&[tok], false).map_err(model_err)?);
+            text.push_str(&self.tokenizer.decode(&[tok], false)?);
             dec.seq.feed(&[tok])?;
             dec.generated += 1;
             n += 1;
@@ -81,11 +81,11 @@ impl Decoder {
     }
 
     /// Picks one of `options` (each followed by `after`) by the model's probability.
-    fn choose(&self, dec: &mut Decoding, text: &mut String, options: &[&str], after: &str) -> Result<(), BackendError> {
+    fn choose(&self, dec: &mut Decoding, text: &mut String, options: &[&str], after: &str) -> Result<()> {
         let toks: Vec<Vec<u32>> = options
             .iter()
-            .map(|o| self.tokenizer.encode(&format!("{o}{after}")).map_err(model_err))
-            .collect::<Result<_, _>>()?;
+            .map(|o| self.tokenizer.encode(&format!("{o}{after}")))
+            .collect::<std::result::Result<_, _>>()?;
         let logp = dec.seq.logprobs(&toks)?;
         let probs = normalise(&logp);
         let i = pick(&probs, dec.temperature, &mut dec.rng, None);
@@ -98,14 +98,14 @@ impl Decoder {
 
     /// The action's arguments as a template of forced keys and typed values (see the module docs).
     /// Coordinates stay inside the model frame `(width, height)`.
-    pub(super) fn constrained_args(
+    pub(crate) fn constrained_args(
         &self,
         dec: &mut Decoding,
         name: &str,
         text: &mut String,
         frame: (u32, u32),
-    ) -> Result<(), BackendError> {
-        let ints = |keys: &[&str], dec: &mut Decoding, text: &mut String| -> Result<(), BackendError> {
+    ) -> Result<()> {
+        let ints = |keys: &[&str], dec: &mut Decoding, text: &mut String| -> Result<()> {
             for k in keys {
                 self.force(dec, text, &format!(",\"{k}\":"))?;
                 let max = match k.chars().next() {
@@ -117,7 +117,7 @@ impl Decoder {
             }
             Ok(())
         };
-        let string_field = |key: &str, dec: &mut Decoding, text: &mut String| -> Result<(), BackendError> {
+        let string_field = |key: &str, dec: &mut Decoding, text: &mut String| -> Result<()> {
             self.force(dec, text, &format!(",\"{key}\":\""))?;
             self.string(dec, text)?;
             self.force(dec, text, "\"")
@@ -153,13 +153,13 @@ impl Decoder {
                     self.force(dec, text, "\"]")?;
                 }
             }
-            other => return Err(BackendError::Internal(format!("no template for action `{other}`"))),
+            other => return Err(RuntimeError::Internal(format!("no template for action `{other}`"))),
         }
         self.force(dec, text, "}")
     }
 
     /// The rest of the answer decoded freely, until the object closes, a stop token, or the budget.
-    pub(super) fn free_args(&self, dec: &mut Decoding, text: &mut String) -> Result<(), BackendError> {
+    pub(crate) fn free_args(&self, dec: &mut Decoding, text: &mut String) -> Result<()> {
         let mut toks = Vec::new();
         let start = text.len();
         while dec.generated < dec.budget {
@@ -172,7 +172,7 @@ impl Decoder {
             dec.seq.feed(&[tok])?;
             dec.generated += 1;
             text.truncate(start);
-            text.push_str(&self.tokenizer.decode(&toks, true).map_err(model_err)?);
+            text.push_str(&self.tokenizer.decode(&toks, true)?);
             if askgui_data::parse::json_object_spans(text).first().is_some_and(|r| r.start == 0) {
                 break;
             }

@@ -1,0 +1,41 @@
+//! What can go wrong in one agent step or completion, by whose fault: the input's (a screenshot the
+//! processor cannot take, a prompt past the context), the caller's (it went away), or ours.
+
+use askgui_model::ModelError;
+use thiserror::Error;
+
+#[derive(Debug, Clone, Error, PartialEq)]
+pub enum RuntimeError {
+    /// The input cannot be answered as it is; the message says what to change.
+    #[error("{0}")]
+    BadInput(String),
+    #[error("the prompt is {tokens} tokens but the model's context is {limit}; shorten the history or the messages")]
+    ContextOverflow { tokens: usize, limit: usize },
+    /// The caller's `cancelled` said so.
+    #[error("the client went away")]
+    Cancelled,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+pub type Result<T> = std::result::Result<T, RuntimeError>;
+
+impl From<ModelError> for RuntimeError {
+    /// Image and prompt errors are the input's; the rest are the model's.
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Image { .. }
+            | ModelError::ImageTooLarge { .. }
+            | ModelError::ImageTooSmall { .. }
+            | ModelError::Tiling { .. }
+            | ModelError::Prompt(_) => RuntimeError::BadInput(e.to_string()),
+            e => RuntimeError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl From<candle_core::Error> for RuntimeError {
+    fn from(e: candle_core::Error) -> Self {
+        RuntimeError::Internal(e.to_string())
+    }
+}

@@ -1,0 +1,69 @@
+//! How decoding asks for model work: "run these new tokens after this KV cache and give me the logits
+//! of the last rows" ([`Item`]), through a [`Forward`].
+//!
+//! Key choice: the decoding logic ([`crate::Runtime`]) is plain sequential code that never holds the
+//! model. The server's implementation hands items to the thread that owns the model, which packs every
+//! live job's items into one forward; [`Solo`] runs them at once on a model this thread holds (eval,
+//! the trainer's periodic eval). Both run the same [`Packed::forward`], so an answer does not depend on
+//! which one asked.
+
+use std::cell::RefCell;
+
+use askgui_model::text::KvCache;
+
+use crate::error::Result;
+use crate::packed::Packed;
+use crate::prompt::PreparedImage;
+
+/// One sequence's share of a forward.
+pub struct Item {
+    /// New tokens, run after what `cache` holds.
+    pub ids: Vec<u32>,
+    /// Their M-RoPE positions.
+    pub positions: Vec<[u32; 3]>,
+    /// The images whose `<|image_pad|>` runs are in `ids`, in order, with their content hashes.
+    pub images: Vec<PreparedImage>,
+    pub cache: KvCache,
+    /// How many of the last rows need logits (1 for the next token; more to score a continuation).
+    pub logits_rows: usize,
+}
+
+/// The answer to one [`Item`]: its cache with the new tokens appended, and the logits of its last rows.
+pub struct ItemOut {
+    pub cache: KvCache,
+    pub logits: Vec<Vec<f32>>,
+}
+
+/// Runs items for one sequence's decoding.
+pub trait Forward {
+    /// Runs `items` in one forward and answers them in order.
+    fn run(&self, items: Vec<Item>) -> Result<Vec<ItemOut>>;
+    /// The LoRA adapter the forwards run with (a prefix-cache key: an adapter changes every value).
+    fn adapter(&self) -> Option<&str>;
+}
+
+/// A [`Forward`] on a model this thread holds, with its active adapter.
+pub struct Solo<'m> {
+    packed: RefCell<&'m mut Packed>,
+    adapter: Option<String>,
+}
+
+impl<'m> Solo<'m> {
+    pub fn new(packed: &'m mut Packed) -> Self {
+        let adapter = packed.model.active_adapter().map(String::from);
+        Self { packed: RefCell::new(packed), adapter }
+    }
+}
+
+impl Forward for Solo<'_> {
+    fn run(&self, mut items: Vec<Item>) -> Result<Vec<ItemOut>> {
+        let mut packed = self.packed.borrow_mut();
+        let embeds = items.iter().map(|i| packed.embed(i)).collect::<Result<Vec<_>>>()?;
+        let logits = packed.forward(&embeds, &mut items.iter_mut().collect::<Vec<_>>())?;
+        Ok(items.into_iter().zip(logits).map(|(i, logits)| ItemOut { cache: i.cache, logits }).collect())
+    }
+
+    fn adapter(&self) -> Option<&str> {
+        self.adapter.as_deref()
+    }
+}

@@ -1,0 +1,160 @@
+//! Steps 3 and 4 of the chain: decoding an agent step's answer, and the action back in screen pixels.
+//!
+//! Key choice: after the forced prefix `{"action":"`, every action name's tokens are scored from a copy
+//! of the KV cache: the model's exact distribution over the 15 names, whose `ask` entry is
+//! `ask_probability` (with `pause_threshold` the answer is `ask` exactly when
+//! `ask_probability >= pause_threshold`). The arguments follow ([`crate::constrained`]), then the answer
+//! is parsed and converted to screen pixels.
+
+use std::time::Instant;
+
+use askgui_data::action::ACTION_NAMES;
+use askgui_data::agent_api::{AgentStepResponse, FrameInfo, StepOptions, Timings, Usage};
+use askgui_data::{Action, FrameMap};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use crate::error::{Result, RuntimeError};
+use crate::forward::Forward;
+use crate::prompt::Step;
+use crate::sampling::{normalise, pick, sample};
+use crate::sequence::Seq;
+use crate::{Runtime, DEFAULT_STEP_TOKENS};
+
+/// The answer to one step.
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    /// The answer as the model wrote it, in the model frame.
+    pub raw: String,
+    /// `(action in screen pixels, action in the model frame)`, or why the answer does not parse (only
+    /// free decoding can write one that does not).
+    pub parsed: std::result::Result<(Action, Action), String>,
+    pub frame: FrameMap,
+    pub ask_probability: f64,
+    pub usage: Usage,
+    pub timings: Timings,
+}
+
+impl StepOutput {
+    /// The agent API's answer; an answer that does not parse is an error.
+    pub fn into_response(self) -> Result<AgentStepResponse> {
+        let (action, model_action) = self.parsed.map_err(|e| {
+            RuntimeError::Internal(format!(
+                "the model's answer does not parse ({e}); leave options.constrain on to get one that does"
+            ))
+        })?;
+        Ok(AgentStepResponse {
+            action,
+            model_action,
+            frame: FrameInfo::from(&self.frame),
+            raw: self.raw,
+            ask_probability: Some(self.ask_probability),
+            usage: self.usage,
+            timings: self.timings,
+        })
+    }
+}
+
+/// The state of one answer being decoded.
+pub(crate) struct Decoding<'a> {
+    pub(crate) seq: Seq<'a>,
+    pub(crate) temperature: f64,
+    pub(crate) rng: StdRng,
+    /// Tokens the answer may still take, counted by `generated`.
+    pub(crate) budget: usize,
+    pub(crate) generated: usize,
+    cancelled: &'a dyn Fn() -> bool,
+}
+
+impl<'a> Decoding<'a> {
+    pub(crate) fn new(
+        seq: Seq<'a>,
+        temperature: f64,
+        seed: u64,
+        budget: usize,
+        cancelled: &'a dyn Fn() -> bool,
+    ) -> Self {
+        Self { seq, temperature, rng: StdRng::seed_from_u64(seed), budget, generated: 0, cancelled }
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        if (self.cancelled)() {
+            return Err(RuntimeError::Cancelled);
+        }
+        Ok(())
+    }
+
+    /// The next token among `allowed`, by [`sample`] at this answer's temperature (no nucleus cut).
+    pub(crate) fn sample(&mut self, allowed: impl Fn(usize) -> bool) -> u32 {
+        sample(&self.seq.logits, allowed, self.temperature, 1.0, &mut self.rng)
+    }
+}
+
+impl Runtime {
+    /// One agent step: `step`'s prompt prefilled through `fwd`, the answer decoded with `opts`.
+    pub fn step(
+        &self,
+        fwd: &dyn Forward,
+        step: &Step,
+        opts: &StepOptions,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<StepOutput> {
+        let t_start = Instant::now();
+        let prompt = self.prompt(step)?;
+        let prefix = self.tokenizer.encode("{\"action\":\"")?;
+        let ids: Vec<u32> = prompt.ids.iter().chain(&prefix).copied().collect();
+        let max_tokens = opts.max_tokens.unwrap_or(DEFAULT_STEP_TOKENS);
+        self.check_context(ids.len(), max_tokens)?;
+        let preprocess_ms = t_start.elapsed().as_secs_f64() * 1e3;
+
+        let t0 = Instant::now();
+        let (seq, cached) = Seq::prefill(self, fwd, &ids, &prompt.images)?;
+        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let t0 = Instant::now();
+        // The exact distribution over action names: log p of each name's closing `name"` tokens.
+        let names: Vec<Vec<u32>> = ACTION_NAMES
+            .iter()
+            .map(|n| self.tokenizer.encode(&format!("{n}\"")))
+            .collect::<std::result::Result<_, _>>()?;
+        let probs = normalise(&seq.logprobs(&names)?);
+        let ask = ACTION_NAMES.iter().position(|&n| n == "ask").expect("ask is an action");
+        let ask_probability = probs[ask];
+        let temperature = opts.temperature.unwrap_or(0.0);
+        let mut dec = Decoding::new(seq, temperature, opts.seed.unwrap_or(0), 0, cancelled);
+        let choice = match opts.pause_threshold {
+            Some(th) if ask_probability >= th => ask,
+            Some(_) => pick(&probs, temperature, &mut dec.rng, Some(ask)),
+            None => pick(&probs, temperature, &mut dec.rng, None),
+        };
+        dec.seq.feed(&names[choice])?;
+        let mut text = format!("{{\"action\":\"{}\"", ACTION_NAMES[choice]);
+        dec.budget = max_tokens.saturating_sub(names[choice].len());
+        if opts.constrain.unwrap_or(true) {
+            self.constrained_args(&mut dec, ACTION_NAMES[choice], &mut text, prompt.frame.model)?;
+        } else {
+            self.free_args(&mut dec, &mut text)?;
+        }
+        let decode_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let parsed = askgui_data::parse::parse_answer(&text)
+            .map(|p| (prompt.frame.action_to_screen(&p.action), p.action))
+            .map_err(|e| e.to_string());
+        if opts.constrain.unwrap_or(true) {
+            if let Err(e) = &parsed {
+                return Err(RuntimeError::Internal(format!("a constrained answer did not parse ({e}): {text:?}")));
+            }
+        }
+        Ok(StepOutput {
+            raw: text,
+            parsed,
+            frame: prompt.frame,
+            ask_probability,
+            usage: Usage {
+                prompt_tokens: prompt.ids.len(),
+                image_tokens: prompt.image_tokens,
+                cached_tokens: cached,
+                completion_tokens: prefix.len() + names[choice].len() + dec.generated,
+            },
+            timings: Timings { queue_ms: 0.0, preprocess_ms, prefill_ms, decode_ms },
+        })
+    }
+}
