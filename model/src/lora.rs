@@ -8,9 +8,9 @@
 //! [`Qwen2Vl::set_active_adapter`] (a server switches it per request); loading does not activate.
 //! Merging folds `W += scale * B A` into the weights and keeps the original `W`, so
 //! [`Qwen2Vl::unmerge_adapter`] restores it bit-exactly; while merged, the adapter stays the active one.
-//! Files are PEFT's ([`crate::peft`]): [`Qwen2Vl::save_adapter`] writes the hub layout (what vLLM and
-//! SGLang load), [`Qwen2Vl::save_adapter_as`] with [`AdapterLayout::Transformers5`] the keys PEFT writes
-//! on transformers 5. Dropout only acts in training ([`crate::train_ops`]). Parity with PEFT:
+//! Files are PEFT's ([`crate::peft`]): [`Qwen2Vl::save_adapter`] writes the keys PEFT writes on
+//! transformers 5 ([`AdapterLayout::default`]), [`Qwen2Vl::save_adapter_as`] either layout (the hub's is
+//! what vLLM, SGLang and PEFT on transformers 4 load). Dropout only acts in training ([`crate::train_ops`]). Parity with PEFT:
 //! `tests/lora.rs`.
 
 use std::collections::BTreeMap;
@@ -179,10 +179,10 @@ impl Qwen2Vl {
         Ok(())
     }
 
-    /// Writes adapter `name` as PEFT does for hub models: `adapter_config.json` and
-    /// `adapter_model.safetensors` with keys `base_model.model.<hub module name>.lora_{A,B}.weight`.
+    /// Writes adapter `name` as PEFT on transformers 5 does: `adapter_config.json`,
+    /// `adapter_model.safetensors` in [`AdapterLayout::default`] and the model card (`README.md`).
     pub fn save_adapter(&self, name: &str, dir: impl AsRef<Path>) -> Result<()> {
-        self.save_adapter_as(name, dir, AdapterLayout::Hub)
+        self.save_adapter_as(name, dir, AdapterLayout::default())
     }
 
     /// [`Self::save_adapter`] with the tensor keys in `layout`.

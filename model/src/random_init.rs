@@ -8,7 +8,7 @@
 //! config.json beside it); after full training [`crate::Qwen2Vl::save_base`] writes a model's base weights
 //! the same way. `askgui-train --init-config` builds its random model with these two.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
@@ -95,6 +95,24 @@ fn layout(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Fill)> {
         linear(&mut out, "lm_head", h, t.vocab_size, false);
     }
     out
+}
+
+/// The linear layers a LoRA adapter can target in a `cfg` model, hub names -> `(out, in)`: what
+/// [`crate::Qwen2Vl::linears`] holds, from the config alone (no weight is read). The token embedding
+/// and `lm_head` are not among them, as in the model.
+pub fn linear_shapes(cfg: &ModelConfig) -> BTreeMap<String, (usize, usize)> {
+    layout(cfg)
+        .into_iter()
+        .filter_map(|(name, shape, _)| {
+            let module = name.strip_suffix(".weight")?;
+            match shape.as_slice() {
+                [out, inp] if module != "model.embed_tokens" && module != "lm_head" => {
+                    Some((module.to_string(), (*out, *inp)))
+                }
+                _ => None,
+            }
+        })
+        .collect()
 }
 
 /// The decoder's RMSNorms have no bias in either architecture.

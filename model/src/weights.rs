@@ -184,11 +184,8 @@ pub struct Weights {
 
 /// The transformers 5 in-memory name for a hub-layout name, if it differs.
 fn alternate_name(name: &str) -> Option<String> {
-    if let Some(rest) = name.strip_prefix("visual.") {
-        Some(format!("model.visual.{rest}"))
-    } else {
-        name.strip_prefix("model.").map(|rest| format!("model.language_model.{rest}"))
-    }
+    let alt = crate::peft::AdapterLayout::Transformers5.module_name(name);
+    (alt != name).then_some(alt)
 }
 
 impl Weights {

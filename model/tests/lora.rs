@@ -162,12 +162,12 @@ fn merge_equals_unmerged_and_unmerge_restores_bit_exactly() -> anyhow::Result<()
 }
 
 #[test]
-fn save_then_load_round_trips_in_the_hub_layout() -> anyhow::Result<()> {
+fn save_then_load_round_trips_in_both_layouts() -> anyhow::Result<()> {
     let mut c = case("tiny-qwen2_5_vl")?;
     c.model.load_adapter("all", fixtures().join(PEFT))?;
     let out = std::env::temp_dir().join(format!("askgui-lora-{}-saved", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    c.model.save_adapter("all", &out)?;
+    c.model.save_adapter_as("all", &out, AdapterLayout::Hub)?;
 
     let saved = candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)?;
     assert_eq!(saved.len(), 52);
@@ -214,9 +214,11 @@ fn save_then_load_round_trips_in_the_hub_layout() -> anyhow::Result<()> {
     }
     std::fs::remove_dir_all(&named)?;
 
-    // The transformers 5 layout writes exactly the tensors PEFT wrote (PEFT on transformers 5 reads only
-    // that layout).
-    c.model.save_adapter_as("all", &out, AdapterLayout::Transformers5)?;
+    // The default layout is the transformers 5 one: exactly the tensors PEFT wrote (PEFT on transformers 5
+    // reads only that layout), with a model card that says so.
+    c.model.save_adapter("all", &out)?;
+    let card = std::fs::read_to_string(out.join("README.md"))?;
+    assert!(card.contains("askgui_key_layout: transformers5\n"), "{card}");
     let ours = candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)?;
     let peft = candle_core::safetensors::load(fixtures().join(PEFT).join("adapter_model.safetensors"), &Device::Cpu)?;
     let mut keys: Vec<&String> = ours.keys().collect();
@@ -228,6 +230,20 @@ fn save_then_load_round_trips_in_the_hub_layout() -> anyhow::Result<()> {
         assert_eq!(t.to_vec2::<f32>()?, peft[k].to_vec2::<f32>()?, "{k} differs from PEFT's");
     }
     std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
+
+/// The linears a LoRA can target, listed from config.json alone (what `convert-adapter` checks an adapter
+/// against), are the loaded model's, names and shapes, in both architectures.
+#[test]
+fn linear_shapes_from_the_config_are_the_models() -> anyhow::Result<()> {
+    for dir in ["tiny-qwen2_5_vl", "tiny-qwen2_vl"] {
+        let model = Qwen2Vl::load(fixtures().join(dir).to_str().unwrap(), &Device::Cpu, DType::F32)?;
+        let loaded: std::collections::BTreeMap<String, (usize, usize)> =
+            model.linears().iter().map(|l| Ok((l.name.clone(), l.weight.dims2()?))).collect::<anyhow::Result<_>>()?;
+        let cfg = askgui_model::ModelConfig::from_file(&fixtures().join(dir).join("config.json"))?;
+        assert_eq!(askgui_model::random_init::linear_shapes(&cfg), loaded, "{dir}");
+    }
     Ok(())
 }
 
