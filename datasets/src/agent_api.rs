@@ -198,16 +198,22 @@ impl AgentStepRequest {
         if self.adapter.as_deref().is_some_and(|a| a.trim().is_empty()) {
             return Err(invalid("adapter", "empty name (leave it out for the base model)"));
         }
-        let opt = &self.options;
-        if opt.max_tokens == Some(0) {
+        self.options.check()
+    }
+}
+
+impl StepOptions {
+    /// Checks that each option is in range.
+    pub fn check(&self) -> Result<(), RequestError> {
+        if self.max_tokens == Some(0) {
             return Err(invalid("options.max_tokens", "must be at least 1"));
         }
-        if let Some(t) = opt.temperature {
+        if let Some(t) = self.temperature {
             if !(t.is_finite() && t >= 0.0) {
                 return Err(invalid("options.temperature", format!("must be a finite number >= 0, got {t}")));
             }
         }
-        if let Some(p) = opt.pause_threshold {
+        if let Some(p) = self.pause_threshold {
             if !(0.0..=1.0).contains(&p) {
                 return Err(invalid("options.pause_threshold", format!("must be in 0..=1, got {p}")));
             }

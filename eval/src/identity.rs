@@ -10,6 +10,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
+use askgui_data::agent_api::StepOptions;
 use askgui_data::{FrameKind, PromptConfig, SystemPrompt};
 use askgui_model::KernelChoice;
 use serde::{Deserialize, Serialize};
@@ -54,7 +55,19 @@ pub struct Decoding {
 }
 
 impl Decoding {
-    /// Greedy decoding capped at `max_new_tokens`, what every built-in backend asks for.
+    /// The decoding askgui's runtime runs for `options`, its defaults filled in (the in-process agent,
+    /// and askgui-serve, which has the same defaults).
+    pub fn of(options: &StepOptions) -> Self {
+        Self {
+            max_new_tokens: Some(options.max_tokens.unwrap_or(askgui_runtime::DEFAULT_STEP_TOKENS)),
+            temperature: Some(options.temperature.unwrap_or(0.0)),
+            seed: Some(options.seed.unwrap_or(0)),
+            constrain: Some(options.constrain.unwrap_or(true)),
+            pause_threshold: options.pause_threshold,
+        }
+    }
+
+    /// Greedy decoding capped at `max_new_tokens` (an OpenAI-compatible endpoint's).
     pub fn greedy(max_new_tokens: usize) -> Self {
         Self { max_new_tokens: Some(max_new_tokens), temperature: Some(0.0), ..Default::default() }
     }

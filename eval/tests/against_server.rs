@@ -6,6 +6,7 @@
 
 mod common;
 
+use askgui_data::agent_api::StepOptions;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -64,7 +65,7 @@ fn endpoint_backend_gets_actions_from_the_real_server() {
             timeout_s: 60.0,
             retries: 0,
             backoff_ms: 10,
-            max_tokens: 24,
+            options: StepOptions { max_tokens: Some(24), ..StepOptions::default() },
             elements: true,
         })
         .expect("endpoint config");

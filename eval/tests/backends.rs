@@ -35,24 +35,33 @@ fn step(screenshots: Vec<PathBuf>, w: u32, h: u32, history: Vec<Turn>) -> StepIn
 const TINY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/fixtures/tiny-qwen2_5_vl");
 
 #[test]
-fn in_process_random_model_answers_deterministically_without_an_action() {
+fn in_process_random_model_answers_deterministically_with_the_servers_decoding() {
     let agent = from_args(&args(&["--model", TINY, "--max-new-tokens", "12", "--history-images", "1"])).unwrap();
     assert!(agent.name().contains("tiny-qwen2_5_vl"), "{}", agent.name());
     let shot = screenshot("backends-inprocess", 64, 48);
     let history = vec![Turn::Agent { action: Action::Click(Target::point(10, 20)) }];
     let input = step(vec![shot.clone()], 64, 48, history);
+    // Constrained by default, as askgui-serve: even a random model's answer parses.
     let a = agent.predict(&input).unwrap();
-    assert_eq!(a.action, None, "a random model's reply should not parse: {:?}", a.raw);
-    assert!(a.parse_error.is_some(), "{a:?}");
+    let action = a.action.clone().unwrap_or_else(|| panic!("a constrained answer parses: {:?}", a.raw));
+    action.check().unwrap_or_else(|e| panic!("{e}: {action:?}"));
     let b = agent.predict(&input).unwrap();
-    assert_eq!(a.raw, b.raw, "greedy decoding is deterministic");
+    assert_eq!(a, b, "greedy decoding is deterministic");
     // Two screenshots (history image + current) go through the same path.
-    let two = step(vec![screenshot("backends-inprocess-earlier", 48, 64), shot], 64, 48, vec![]);
-    let p = agent.predict(&two).unwrap();
-    assert!(p.action.is_none() && p.parse_error.is_some(), "{p:?}");
+    let two = step(vec![screenshot("backends-inprocess-earlier", 48, 64), shot.clone()], 64, 48, vec![]);
+    assert!(agent.predict(&two).unwrap().action.is_some());
     // A missing screenshot is an input error, not a panic.
     let e = agent.predict(&step(vec![PathBuf::from("/nonexistent/shot.png")], 64, 48, vec![])).unwrap_err();
     assert!(matches!(e, AgentError::Input(_)), "{e}");
+    // The server's options: `ask` at any probability >= 0, so always; free arguments after the forced
+    // prefix and the scored name.
+    let always = from_args(&args(&["--model", TINY, "--max-new-tokens", "12", "--pause-threshold", "0"])).unwrap();
+    let p = always.predict(&input).unwrap();
+    assert!(matches!(p.action, Some(Action::Ask(_))), "{p:?}");
+    let free = from_args(&args(&["--model", TINY, "--max-new-tokens", "12", "--constrain", "false"])).unwrap();
+    let p = free.predict(&input).unwrap();
+    assert!(p.raw.starts_with("{\"action\":\""), "{p:?}");
+    assert_eq!(p.action.is_some(), p.parse_error.is_none(), "{p:?}");
 }
 
 #[test]

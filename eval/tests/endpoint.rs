@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use askgui_data::agent_api::{
-    AgentStepRequest, AgentStepResponse, ApiError, FrameInfo, Timings, Usage, ERROR_INVALID_REQUEST,
+    AgentStepRequest, AgentStepResponse, ApiError, FrameInfo, StepOptions, Timings, Usage, ERROR_INVALID_REQUEST,
 };
 use askgui_data::{Action, Ask, Element, FrameKind, FrameMap, Platform, ResizeBounds, Screen, Target, Turn};
 use askgui_eval::agent::{Agent, AgentError, Prediction, StepInput};
@@ -138,7 +138,7 @@ fn agent(base: &str, retries: u32, adapter: Option<&str>) -> EndpointAgent {
         timeout_s: 10.0,
         retries,
         backoff_ms: 1,
-        max_tokens: 64,
+        options: StepOptions { max_tokens: Some(64), temperature: Some(0.0), ..StepOptions::default() },
         elements: true,
     })
     .unwrap()
@@ -191,7 +191,7 @@ fn without_elements_or_adapter_they_are_left_out() {
         timeout_s: 10.0,
         retries: 0,
         backoff_ms: 1,
-        max_tokens: 32,
+        options: StepOptions { max_tokens: Some(32), ..StepOptions::default() },
         elements: false,
     })
     .unwrap();

@@ -120,6 +120,11 @@ fn bad_images(images: usize, placeholders: usize) -> RuntimeError {
 }
 
 impl Runtime {
+    /// An image through the checkpoint's processor, with its hash.
+    pub fn prepare(&self, img: &ImageInput) -> Result<PreparedImage> {
+        Ok((img.hash, self.processed(img)?))
+    }
+
     /// The checkpoint's preprocessing of an image, cached by content hash.
     pub(crate) fn processed(&self, img: &ImageInput) -> Result<Arc<ProcessedImage>> {
         if let Some(p) = self.images.lock().unwrap_or_else(|p| p.into_inner()).get(&img.hash) {

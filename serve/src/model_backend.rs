@@ -150,6 +150,11 @@ impl ModelBackend {
         Self { runner, jobs: Jobs { runtime: runtime.with_prefix_cache(bytes), info } }
     }
 
+    /// The runtime every job answers through (its prompt settings and tokenizer).
+    pub fn runtime(&self) -> &Runtime {
+        &self.jobs.runtime
+    }
+
     /// One agent step with the model's active adapter (what `POST /v1/agent/step` runs, without a server).
     pub fn step(&mut self, job: &StepJob, cancelled: &dyn Fn() -> bool) -> Result<AgentStepResponse, BackendError> {
         self.solo(|j, c| j.step(c, job, cancelled))

@@ -16,13 +16,14 @@
 
 use std::path::Path;
 
+use askgui_data::agent_api::StepOptions;
 use askgui_data::{LoadedEpisode, PromptConfig, TaskMode};
 use askgui_eval::agent::AgentError;
 use askgui_eval::backends::InProcessAgent;
 use askgui_eval::matching::MatchConfig;
 use askgui_eval::metrics::{compute, NoContentScorer};
 use askgui_eval::modes::{evaluate_episode, Mode};
-use askgui_model::{generate, load_image, preprocess, Prompt, Qwen2Vl, QwenTokenizer, SamplingParams};
+use askgui_model::Qwen2Vl;
 use serde::Serialize;
 
 use crate::data::PreparedSample;
@@ -54,37 +55,29 @@ pub fn mode_for(task_mode: TaskMode) -> Mode {
     }
 }
 
-/// Runs `model` as an agent on `episodes` in `mode` and gives it back with the metrics (or the error of
-/// an episode). The outer error (the agent could not be set up: it only reads the tokenizer, which
-/// training has already read) consumes the model.
-pub fn run_agent_eval(
-    model: Qwen2Vl,
-    episodes: &[LoadedEpisode],
-    mode: Mode,
-    prompt: &PromptConfig,
-    max_new_tokens: usize,
-) -> Result<(Qwen2Vl, Result<AgentMetrics>)> {
-    let agent = InProcessAgent::from_model(model, prompt.clone(), max_new_tokens)
-        .map_err(|e| TrainError::Data(format!("eval: the in-process agent: {e}")))?;
+/// The model under training as an in-process agent: the runtime `askgui-serve` answers with, decoding
+/// as the server does by default (constrained, greedy), answers capped at `max_new_tokens`. The error
+/// (the agent could not be set up: it only reads the tokenizer, which training has already read)
+/// consumes the model.
+pub fn lend(model: Qwen2Vl, prompt: &PromptConfig, max_new_tokens: usize) -> Result<InProcessAgent> {
+    let options = StepOptions { max_tokens: Some(max_new_tokens), ..StepOptions::default() };
+    InProcessAgent::from_model(model, prompt.clone(), options)
+        .map_err(|e| TrainError::Data(format!("eval: the in-process agent: {e}")))
+}
+
+/// Runs `agent` on `episodes` in `mode`: the metrics, or the error of an episode.
+pub fn run_agent_eval(agent: &InProcessAgent, episodes: &[LoadedEpisode], mode: Mode) -> Result<AgentMetrics> {
     let matching = MatchConfig::default();
     let (mut results, mut skipped) = (Vec::new(), 0);
-    let mut failure = None;
     for ep in episodes {
-        match evaluate_episode(&agent, ep, mode, &matching) {
+        match evaluate_episode(agent, ep, mode, &matching) {
             Ok(r) => results.push(r),
             Err(AgentError::Input(reason)) => {
                 tracing::warn!(episode = %ep.episode.id, line = ep.line, %reason, "eval: episode left out");
                 skipped += 1;
             }
-            Err(e) => {
-                failure = Some(TrainError::Data(format!("eval: episode {} (line {}): {e}", ep.episode.id, ep.line)));
-                break;
-            }
+            Err(e) => return Err(TrainError::Data(format!("eval: episode {} (line {}): {e}", ep.episode.id, ep.line))),
         }
-    }
-    let model = agent.into_model();
-    if let Some(e) = failure {
-        return Ok((model, Err(e)));
     }
     let m = compute(mode, &results, &NoContentScorer("not computed during training".into()));
     let ask = m.ask.as_ref();
@@ -99,7 +92,7 @@ pub fn run_agent_eval(
         ask_recall: ask.and_then(|a| a.recall),
         ask_f1: ask.and_then(|a| a.f1),
     };
-    Ok((model, Ok(metrics)))
+    Ok(metrics)
 }
 
 /// One validation sample answered by the model.
@@ -112,49 +105,27 @@ pub struct SamplePrediction {
     pub target: String,
 }
 
-/// Greedily answers the prompt of `sample` up to its first supervised span; the target is that span.
+/// Greedily answers the prompt of `sample` up to its first supervised span through the agent's runtime
+/// (its sampler and stop rules); the target is that span.
 pub fn sample_prediction(
-    model: &Qwen2Vl,
-    tokenizer: &QwenTokenizer,
+    agent: &InProcessAgent,
     sample: &PreparedSample,
     max_new_tokens: usize,
 ) -> Result<SamplePrediction> {
     let bad = |m: &str| TrainError::Data(format!("sample of episode {} step {}: {m}", sample.episode, sample.step));
     let start = sample.labels_mask.iter().position(|&m| m).ok_or_else(|| bad("no supervised token"))?;
     let end = start + sample.labels_mask[start..].iter().take_while(|&&m| m).count();
-    let prompt_ids = sample.ids[..start].to_vec();
-    // The images whose placeholders are in the prompt (all of a step's images come before its answer).
-    let ic = &model.image_config;
-    let merge = ic.geometry.merge_size * ic.geometry.merge_size;
-    let pads = prompt_ids.iter().filter(|&&t| t == model.cfg.image_token_id).count();
-    let mut images = Vec::new();
-    let mut covered = 0;
-    for (path, grid) in sample.images.iter().zip(&sample.grids) {
-        let n = grid.iter().product::<usize>() / merge;
-        if covered + n > pads {
-            break;
-        }
-        covered += n;
-        images.push(preprocess(&load_image(path, ic.max_input_pixels)?, ic)?);
-    }
-    let mut stop = model.eos_token_ids.clone();
-    stop.extend(tokenizer.token_id(askgui_data::prompt::IM_END));
-    let params = SamplingParams { max_new_tokens, temperature: 0.0, stop_tokens: stop.clone(), ..Default::default() };
-    let (gens, _) = generate(model, &[Prompt { ids: prompt_ids, images }], &params, false)?;
-    let mut tokens = gens.into_iter().next().map(|g| g.tokens).unwrap_or_default();
-    if tokens.last().is_some_and(|t| stop.contains(t)) {
-        tokens.pop();
-    }
-    let mut target = sample.ids[start..end].to_vec();
-    if target.last().is_some_and(|t| stop.contains(t)) {
-        target.pop();
-    }
-    Ok(SamplePrediction {
-        episode: sample.episode.clone(),
-        episode_step: sample.step,
-        predicted: tokenizer.decode(&tokens, true)?,
-        target: tokenizer.decode(&target, true)?,
-    })
+    let ids = sample.ids[..start].to_vec();
+    // The images whose pads are in the prompt (all of a step's images come before its answer).
+    // The images whose pads are in the prompt (all of a step's images come before its answer): one run
+    // of pads each.
+    let tokenizer = agent.runtime().tokenizer();
+    let pad = tokenizer.image_pad_id;
+    let shown = (0..ids.len()).filter(|&i| ids[i] == pad && (i == 0 || ids[i - 1] != pad)).count();
+    let paths = &sample.images[..shown.min(sample.images.len())];
+    let text = agent.complete(ids, paths, max_new_tokens).map_err(|e| bad(&e.to_string()))?;
+    let target = tokenizer.decode(&sample.ids[start..end], true)?;
+    Ok(SamplePrediction { episode: sample.episode.clone(), episode_step: sample.step, predicted: text, target })
 }
 
 /// The validation episodes for the agent eval: the first `limit` readable ones of `path` (unreadable

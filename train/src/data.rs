@@ -9,11 +9,11 @@
 //! counted. Pixels are decoded and preprocessed when a batch is built, so memory does not grow with the
 //! data set.
 //!
-//! Tokenising: the rendered text is split at the loss spans and each piece is encoded on its own, so that
-//! the supervised tokens are exactly the tokens of the target pieces (each target's content and its
-//! `<|im_end|>`). A span starts after `<|im_start|>assistant\n` and ends at a special token, so the split
-//! falls on a pre-tokenizer boundary. Each `<|image_pad|>` is expanded to the image's merged-patch count,
-//! computed from the header's size with the same `smart_resize` the preprocessing uses.
+//! Tokenising: [`askgui_runtime::encode_chat`], the agent runtime's own, so what a model is trained on
+//! equals what it is asked at inference token for token: the rendered text is split at the loss spans and
+//! each piece encoded on its own, so that the supervised tokens are exactly the tokens of the target
+//! pieces. Each `<|image_pad|>` is expanded to the image's merged-patch count, computed from the header's
+//! size with the same `smart_resize` the preprocessing uses.
 //!
 //! Order: epoch `e` visits the samples in a Fisher-Yates permutation driven by SplitMix64 seeded from
 //! `(seed, e)`; both are written out here so that the order never changes with a dependency's version.
@@ -26,6 +26,7 @@ use askgui_data::prompt::SampleKind;
 use askgui_data::prompt::{ChatMessage, Part};
 use askgui_data::{episode_samples, read_episodes, render_chatml, LoadedEpisode, PromptConfig, TaskMode};
 use askgui_model::{load_image, preprocess, ImageProcessorConfig, QwenTokenizer, TrainExample};
+use askgui_runtime::encode_chat;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -305,43 +306,18 @@ struct Encoded {
     starts: Vec<usize>,
 }
 
-/// Token ids, the loss mask and the images in order, for rendered messages.
+/// Token ids, the loss mask and the images in order, for rendered messages: the runtime's
+/// [`encode_chat`], so a sample's prompt is token for token what the runtime asks at inference.
 fn encode(tok: &QwenTokenizer, messages: &[ChatMessage], tokens: &ImageTokens) -> Result<Encoded> {
     let r = render_chatml(messages, false);
-    // (start, end, supervised) pieces covering the text.
-    let mut pieces = Vec::new();
-    let mut at = 0;
-    for s in &r.loss_spans {
-        pieces.push((at, s.start, false));
-        pieces.push((s.start, s.end, true));
-        at = s.end;
-    }
-    pieces.push((at, r.text.len(), false));
-    let mut counts = r.images.iter().map(|p| tokens.get(p).map(|t| t.pads));
-    let (mut ids, mut mask, mut starts) = (Vec::new(), Vec::new(), Vec::new());
-    for (a, b, sup) in pieces {
-        if a == b {
-            continue;
-        }
-        for t in tok.encode(&r.text[a..b])? {
-            let n = if t == tok.image_pad_id {
-                let n = counts
-                    .next()
-                    .flatten()
-                    .ok_or_else(|| TrainError::Data("the prompt has more image placeholders than images".into()))?;
-                starts.push(ids.len());
-                n
-            } else {
-                1
-            };
-            ids.extend(std::iter::repeat_n(t, n));
-            mask.extend(std::iter::repeat_n(sup, n));
-        }
-    }
-    if counts.next().is_some() {
-        return Err(TrainError::Data("the prompt has fewer image placeholders than images".into()));
-    }
-    Ok(Encoded { ids, mask, images: r.images, starts })
+    let pads = r
+        .images
+        .iter()
+        .map(|p| tokens.get(p).map(|t| t.pads))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| TrainError::Data("the prompt shows a screenshot that was not measured".into()))?;
+    let enc = encode_chat(tok, &r, &pads).map_err(|e| TrainError::Data(e.to_string()))?;
+    Ok(Encoded { ids: enc.ids, mask: enc.mask, images: r.images, starts: enc.starts })
 }
 
 /// A listed element's box and the token ids of its text.

@@ -15,6 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use askgui_data::agent_api::StepOptions;
 use askgui_data::synth::{synth, SynthArgs};
 use askgui_data::{
     episode_samples, load_episodes, render_chatml, FrameKind, PromptConfig, PromptFlags, SystemPrompt, TaskMode,
@@ -325,7 +326,9 @@ fn evaluate(
     };
     // The CPU, as the demo's training (a model this small gains nothing from a GPU's bf16).
     let on_cpu = LoadOptions { device: DeviceKind::Cpu, ..Default::default() };
-    let agent = InProcessAgent::load(&model.to_string_lossy(), adapter, &prompt, a.max_new_tokens, on_cpu)
+    // The server's decoding (constrained, greedy), as `askgui-serve` would answer.
+    let options = StepOptions { max_tokens: Some(a.max_new_tokens), ..StepOptions::default() };
+    let agent = InProcessAgent::load(&model.to_string_lossy(), adapter, &prompt, options, on_cpu)
         .map_err(|e| TrainError::Data(format!("eval agent: {e}")))?;
     let agent = MemoAgent::new(agent);
     let cfg = EvalConfig {

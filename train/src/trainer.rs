@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use askgui_data::{LoadedEpisode, PromptConfig};
 use askgui_eval::modes::Mode as EvalMode;
-use askgui_model::{ImageProcessorConfig, LoraConfig, Qwen2Vl, QwenTokenizer, StepOptions};
+use askgui_model::{ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
@@ -240,11 +240,10 @@ pub fn planned_batches(cfg: &TrainConfig, steps: usize) -> Result<Vec<Vec<data::
     Ok(out)
 }
 
-/// What the loop reads and never changes: the config, the device, the tokenizer, the data and the schedule.
+/// What the loop reads and never changes: the config, the device, the data and the schedule.
 struct Run<'a> {
     cfg: &'a TrainConfig,
     device: Device,
-    tokenizer: QwenTokenizer,
     train: Dataset,
     val: Option<Dataset>,
     /// The agent eval's validation episodes (none with `--eval-episodes 0` or without `--val`).
@@ -282,7 +281,7 @@ impl<'a> Run<'a> {
             if o.max_steps > 0 { o.max_steps } else { o.epochs * data::steps_per_epoch(n, cfg.sequences_per_step()) };
         let warmup = o.warmup_steps.unwrap_or((o.warmup_ratio * total as f64).ceil() as usize);
         let schedule = Schedule { peak: o.lr, warmup, total, min_ratio: o.min_lr_ratio };
-        Ok(Self { cfg, device, tokenizer, train, val, val_episodes, eval_mode, prompt: opts.prompt, schedule })
+        Ok(Self { cfg, device, train, val, val_episodes, eval_mode, prompt: opts.prompt, schedule })
     }
 
     /// Logs the run's shape, and warns when a resumed snapshot was written by a run of another length or seed.
@@ -512,10 +511,10 @@ fn with_fields(mut line: serde_json::Value, extra: &impl Serialize) -> serde_jso
 }
 
 /// The periodic eval after step `step`: the validation loss of `val` and, with `--eval-episodes`, the agent
-/// metrics (one metrics.jsonl line), then one sample prediction; each is logged and kept in `summary`. The
-/// agent eval borrows the model by value, so it is taken and given back.
+/// metrics (one metrics.jsonl line), then one sample prediction; each is logged and kept in `summary`. Both
+/// run through an in-process agent that the model is lent to and given back from.
 fn periodic_eval(
-    mut model: Qwen2Vl,
+    model: Qwen2Vl,
     val: &Dataset,
     run: &Run,
     step: usize,
@@ -525,23 +524,17 @@ fn periodic_eval(
     let cfg = run.cfg;
     let v = eval_loss(&model, val, cfg, &run.device)?;
     let mut line = serde_json::json!({"step": step, "val_loss": v});
-    let mut agent = None;
-    if !run.val_episodes.is_empty() {
-        let (m, r) = agent_eval::run_agent_eval(
-            model,
-            &run.val_episodes,
-            run.eval_mode,
-            &run.prompt,
-            cfg.run.eval_max_new_tokens,
-        )?;
-        model = m;
-        let a = r?;
-        line = with_fields(line, &a);
-        agent = Some(a);
+    let agent = agent_eval::lend(model, &run.prompt, cfg.run.eval_max_new_tokens)?;
+    let metrics = match run.val_episodes.is_empty() {
+        true => None,
+        false => Some(agent_eval::run_agent_eval(&agent, &run.val_episodes, run.eval_mode)?),
+    };
+    if let Some(a) = &metrics {
+        line = with_fields(line, a);
     }
     logs.metrics.write(&line)?;
     logs.bar.suspend(|| {
-        let a = agent.as_ref();
+        let a = metrics.as_ref();
         tracing::info!(
             step,
             val_loss = v,
@@ -555,9 +548,9 @@ fn periodic_eval(
         )
     });
     summary.val_losses.push((step, v));
-    summary.agent_metrics.extend(agent.map(|a| (step, a)));
+    summary.agent_metrics.extend(metrics.map(|a| (step, a)));
     if let Some(sample) = val.samples.first() {
-        let p = agent_eval::sample_prediction(&model, &run.tokenizer, sample, cfg.run.eval_max_new_tokens)?;
+        let p = agent_eval::sample_prediction(&agent, sample, cfg.run.eval_max_new_tokens)?;
         logs.samples.write(&with_fields(serde_json::json!({"step": step}), &p))?;
         logs.bar.suspend(|| {
             tracing::info!(
@@ -571,7 +564,7 @@ fn periodic_eval(
         });
         summary.samples.push((step, p));
     }
-    Ok(model)
+    Ok(agent.into_model())
 }
 
 /// Writes the snapshot of `state` (the model's trained weights, the optimiser, the trainer state and the

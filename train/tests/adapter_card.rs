@@ -72,9 +72,14 @@ fn the_card_holds_the_runs_settings_and_travels_into_a_merged_model() {
 
     // The merged folder alone gives the evaluator the settings it was trained with.
     let agent =
-        InProcessAgent::load(out.to_str().unwrap(), None, &PromptFlags::default(), 4, LoadOptions::default()).unwrap();
+        InProcessAgent::load(out.to_str().unwrap(), None, &PromptFlags::default(), tokens(4), LoadOptions::default())
+            .unwrap();
     let p = agent.identity().prompt;
     assert_eq!((p.max_pixels, p.system_prompt, p.history_images), (Some(12_544), Some(SystemPrompt::Compact), Some(1)));
     assert!(p.elements);
     assert_eq!(AdapterCard::read(&out).unwrap().unwrap().prompt.history_length, 3);
+}
+
+fn tokens(max: usize) -> askgui_data::agent_api::StepOptions {
+    askgui_data::agent_api::StepOptions { max_tokens: Some(max), ..Default::default() }
 }

@@ -35,7 +35,8 @@ pub struct EndpointConfig {
     pub retries: u32,
     /// Delay before the first retry; doubles on each further retry, at most 60 s.
     pub backoff_ms: u64,
-    pub max_tokens: usize,
+    /// The decoding options every request carries.
+    pub options: StepOptions,
     /// Send the step's element list.
     pub elements: bool,
 }
@@ -68,9 +69,7 @@ impl EndpointAgent {
                 cfg.timeout_s
             )));
         }
-        if cfg.max_tokens == 0 {
-            return Err(AgentError::Input("the token cap must be at least 1".into()));
-        }
+        cfg.options.check().map_err(|e| AgentError::Input(format!("decoding options: {e}")))?;
         if cfg.adapter.as_deref().is_some_and(|a| a.trim().is_empty()) {
             return Err(AgentError::Input("the adapter name is empty".into()));
         }
@@ -114,11 +113,7 @@ impl EndpointAgent {
             },
             history: input.history.clone(),
             adapter: self.cfg.adapter.clone(),
-            options: StepOptions {
-                max_tokens: Some(self.cfg.max_tokens),
-                temperature: Some(0.0),
-                ..Default::default()
-            },
+            options: self.cfg.options.clone(),
         })
     }
 
@@ -155,7 +150,7 @@ impl Agent for EndpointAgent {
             url: Some(self.url.clone()),
             adapter: self.cfg.adapter.clone(),
             adapter_fingerprint: None,
-            decoding: Decoding::greedy(self.cfg.max_tokens),
+            decoding: Decoding::of(&self.cfg.options),
             prompt: PromptIdentity { elements: self.cfg.elements, ..Default::default() },
             runtime: None,
         }

@@ -1,50 +1,39 @@
 //! The in-process backend: a Qwen2.5-VL / Qwen2-VL checkpoint run by askgui-model (`--device`, `--dtype`,
-//! `--kernels`), greedy.
+//! `--kernels`) through the agent runtime ([`askgui_runtime::Runtime`]), the decoding `askgui-serve`
+//! answers with: constrained by default, greedy unless `--temperature` says otherwise.
 //!
-//! The prompt is the training prompt rendered in ChatML; each screenshot goes through the checkpoint's own
-//! image processor (`preprocessor_config.json`), and for the `resized` frame the model frame is the size
-//! that processor resized the current screenshot to, so the coordinates in the prompt and in the answer are
-//! pixels of exactly the image the vision tower saw. The prompt flags left unset take the adapter's (or a
-//! merged model folder's) `askgui.json`, whose pixel bounds replace the processor's, as a given
-//! `--min-pixels`/`--max-pixels` does. Predictions are serialised through a mutex: one CPU model answering
-//! several steps at once would only split the same cores.
+//! The prompt flags left unset take the adapter's (or a merged model folder's) `askgui.json`, whose pixel
+//! bounds replace the processor's, as a given `--min-pixels`/`--max-pixels` does. Predictions are
+//! serialised through a mutex: one CPU model answering several steps at once would only split the same
+//! cores.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use askgui_data::{render_chatml, AdapterCard, FrameKind, FrameMap, PromptConfig, PromptFlags};
-use askgui_model::{
-    generate, load_image, preprocess, LoadOptions, ModelError, ProcessedImage, Prompt, Qwen2Vl, QwenTokenizer,
-    SamplingParams,
-};
+use askgui_data::agent_api::StepOptions;
+use askgui_data::{AdapterCard, PromptConfig, PromptFlags};
+use askgui_model::{LoadOptions, Qwen2Vl};
+use askgui_runtime::{apply_image_bounds, CompletionRequest, ImageInput, Packed, Runtime, RuntimeError, Solo, Step};
 use candle_core::Device;
 
-use super::{frame_for, messages_for, prediction_from_reply, prompt_screenshots};
+use super::prompt_screenshots;
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
-use crate::identity::{adapter_fingerprint, canonical, AgentIdentity, Decoding, PromptIdentity, Runtime};
-
-struct Loaded {
-    model: Qwen2Vl,
-    tokenizer: QwenTokenizer,
-}
+use crate::identity::{adapter_fingerprint, canonical, AgentIdentity, Decoding, PromptIdentity};
 
 /// A checkpoint evaluated in this process.
 pub struct InProcessAgent {
-    inner: Mutex<Loaded>,
+    packed: Mutex<Packed>,
+    runtime: Runtime,
+    options: StepOptions,
+    max_input_pixels: usize,
     name: String,
     identity: AgentIdentity,
-    prompt: PromptConfig,
-    max_new_tokens: usize,
-    stop_tokens: Vec<u32>,
 }
 
 /// Errors about the input (an unreadable or unusable screenshot) are the step's, not the model's.
-fn model_err(e: ModelError) -> AgentError {
+fn runtime_err(e: RuntimeError) -> AgentError {
     match e {
-        ModelError::Image { .. }
-        | ModelError::ImageTooLarge { .. }
-        | ModelError::ImageTooSmall { .. }
-        | ModelError::Tiling { .. } => AgentError::Input(e.to_string()),
+        RuntimeError::BadInput(m) => AgentError::Input(m),
         e => AgentError::Model(e.to_string()),
     }
 }
@@ -58,45 +47,32 @@ impl InProcessAgent {
         model: &str,
         adapter: Option<&Path>,
         prompt: &PromptFlags,
-        max_new_tokens: usize,
+        options: StepOptions,
         load: LoadOptions,
     ) -> Result<Self, AgentError> {
-        let (device, dtype) = load.resolve().map_err(model_err)?;
+        let (device, dtype) = load.resolve().map_err(|e| runtime_err(e.into()))?;
         tracing::info!("evaluating on {device:?} with {dtype:?} weights");
-        let mut m = Qwen2Vl::load_with(model, &device, dtype, load.kernels).map_err(model_err)?;
+        let mut m = Qwen2Vl::load_with(model, &device, dtype, load.kernels).map_err(|e| runtime_err(e.into()))?;
         let card_dir = adapter.unwrap_or(&m.files.dir).to_path_buf();
         let card = AdapterCard::read(&card_dir).map_err(|e| AgentError::Model(e.to_string()))?;
         if let Some(c) = &card {
-            tracing::info!(
-                ?c,
-                "prompt and image settings from {}",
-                card_dir.join(askgui_data::adapter_card::FILE).display()
-            );
+            let file = card_dir.join(askgui_data::adapter_card::FILE);
+            tracing::info!(?c, "prompt and image settings from {}", file.display());
         }
         let flags = prompt.with_card(card.as_ref());
-        let ic = &mut m.image_config;
-        ic.min_pixels = flags.min_pixels.unwrap_or(ic.min_pixels);
-        ic.max_pixels = flags.max_pixels.unwrap_or(ic.max_pixels);
-        if ic.min_pixels > ic.max_pixels {
-            return Err(AgentError::Model(format!(
-                "min_pixels {} > max_pixels {}: give --min-pixels and --max-pixels that fit",
-                ic.min_pixels, ic.max_pixels
-            )));
-        }
-        let prompt = PromptConfig { min_pixels: ic.min_pixels, max_pixels: ic.max_pixels, ..flags.config() };
+        apply_image_bounds(&mut m, &flags).map_err(|e| AgentError::Model(e.to_string()))?;
         if let Some(dir) = adapter {
             // This agent only ever runs this adapter, so it is folded into the weights and each forward
             // costs the base model's (measured on a 2-core CPU, the demo's LoRA agent on 40 episodes in
             // two modes: 4.6 s unmerged, 3.8 s merged, the same predictions).
-            m.load_adapter("adapter", dir).map_err(model_err)?;
-            m.merge_and_unload("adapter").map_err(model_err)?;
+            m.load_adapter("adapter", dir).map_err(|e| runtime_err(e.into()))?;
+            m.merge_and_unload("adapter").map_err(|e| runtime_err(e.into()))?;
         }
-        let mut agent = Self::from_model(m, prompt, max_new_tokens)?;
-        let local = Path::new(model).is_dir();
-        if !local {
+        let mut agent = Self::from_model(m, flags.config(), options)?;
+        if !Path::new(model).is_dir() {
             // A hub id names its revision through the snapshot folder the files came from.
-            let inner = agent.inner.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
-            let snapshot = inner.model.files.dir.file_name().map(|s| s.to_string_lossy().into_owned());
+            let dir = &agent.packed.get_mut().unwrap_or_else(|p| p.into_inner()).model.files.dir;
+            let snapshot = dir.file_name().map(|s| s.to_string_lossy().into_owned());
             agent.identity.model = Some(format!("{model}@{}", snapshot.unwrap_or_default()));
         }
         if let Some(dir) = adapter {
@@ -109,93 +85,59 @@ impl InProcessAgent {
         Ok(agent)
     }
 
-    /// Wraps a loaded model; stops on the checkpoint's end-of-sequence ids and `<|im_end|>`.
-    pub fn from_model(model: Qwen2Vl, prompt: PromptConfig, max_new_tokens: usize) -> Result<Self, AgentError> {
-        let tokenizer = model.tokenizer().map_err(|e| AgentError::Model(e.to_string()))?;
-        let mut stop_tokens = model.eos_token_ids.clone();
-        if let Some(id) = tokenizer.token_id(askgui_data::prompt::IM_END) {
-            if !stop_tokens.contains(&id) {
-                stop_tokens.push(id);
-            }
-        }
+    /// Wraps a loaded model, answering with `prompt` (its pixel bounds are the model's processor's) and
+    /// decoding `options`.
+    pub fn from_model(model: Qwen2Vl, prompt: PromptConfig, options: StepOptions) -> Result<Self, AgentError> {
+        let runtime = Runtime::new(&model, prompt).map_err(|e| AgentError::Model(e.to_string()))?;
         let name = format!("in-process {}", model.files.dir.display());
-        let identity = identity_of(&model, &prompt, max_new_tokens);
-        Ok(Self { inner: Mutex::new(Loaded { model, tokenizer }), name, identity, prompt, max_new_tokens, stop_tokens })
+        let identity = identity_of(&model, runtime.prompt_config(), &options);
+        let max_input_pixels = model.image_config.max_input_pixels;
+        Ok(Self { packed: Mutex::new(Packed::new(model)), runtime, options, max_input_pixels, name, identity })
     }
 
     /// Gives the model back, with its adapters as they are (a trainer lends its model for a periodic eval).
     pub fn into_model(self) -> Qwen2Vl {
-        self.inner.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner()).model
+        self.packed.into_inner().unwrap_or_else(|p| p.into_inner()).model
     }
 
-    /// The model frame for this step. For `resized`, the size the processor gave the current screenshot.
-    fn frame(&self, input: &StepInput, model: &Qwen2Vl, current: &ProcessedImage) -> Result<FrameMap, AgentError> {
-        let ic = &model.image_config;
-        let cfg = PromptConfig { min_pixels: ic.min_pixels, max_pixels: ic.max_pixels, ..self.prompt.clone() };
-        let mut frame = frame_for(input, &cfg)?;
-        if frame.kind == FrameKind::Resized {
-            let seen = (current.resized.0 as u32, current.resized.1 as u32);
-            if seen != frame.model {
-                tracing::debug!(
-                    episode = %input.episode_id,
-                    step = input.step,
-                    screen = ?frame.screen,
-                    screenshot = ?current.original,
-                    "the screenshot's size differs from the episode's screen; using the size the model saw"
-                );
-                frame.model = seen;
-            }
-        }
-        Ok(frame)
+    /// The runtime this agent answers with (its prompt settings and tokenizer).
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
     }
 
-    /// The raw reply to one step's prompt, with the frame it is in.
-    fn reply(&self, input: &StepInput) -> Result<(String, FrameMap), AgentError> {
-        let screenshots: Vec<PathBuf> = prompt_screenshots(input, &self.prompt)?;
-        let guard = self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let Loaded { model, tokenizer } = &*guard;
-        let ic = &model.image_config;
-        let mut images = Vec::with_capacity(screenshots.len());
-        for p in &screenshots {
-            let img = load_image(p, ic.max_input_pixels).map_err(model_err)?;
-            images.push(preprocess(&img, ic).map_err(model_err)?);
-        }
-        let Some(current) = images.last() else {
-            return Err(AgentError::Input("no screenshot to show the agent".into()));
-        };
-        let frame = self.frame(input, model, current)?;
-        let rendered = render_chatml(&messages_for(input, &self.prompt, frame, screenshots.clone()), true);
-        if rendered.images != screenshots {
-            return Err(AgentError::Model(format!(
-                "the prompt shows {} images but {} screenshots were prepared",
-                rendered.images.len(),
-                screenshots.len()
-            )));
-        }
-        let merge = ic.geometry.merge_size;
-        let counts: Vec<usize> = images.iter().map(|i| i.num_tokens(merge)).collect();
-        let ids = tokenizer.encode_prompt(&rendered.text, &counts).map_err(model_err)?;
-        let params = SamplingParams {
-            max_new_tokens: self.max_new_tokens,
-            temperature: 0.0,
-            stop_tokens: self.stop_tokens.clone(),
-            ..Default::default()
-        };
-        let (gens, _) = generate(model, &[Prompt { ids, images }], &params, false).map_err(model_err)?;
-        let mut tokens = gens.into_iter().next().map(|g| g.tokens).unwrap_or_default();
-        if tokens.last().is_some_and(|t| self.stop_tokens.contains(t)) {
-            tokens.pop();
-        }
-        let raw = tokenizer.decode(&tokens, true).map_err(model_err)?;
-        Ok((raw, frame))
+    /// A greedy free completion of the prompt `ids` that shows the screenshots at `paths`, through the
+    /// runtime's sampler and stop rules (the trainer's sample predictions).
+    pub fn complete(&self, ids: Vec<u32>, paths: &[PathBuf], max_tokens: usize) -> Result<String, AgentError> {
+        let load = |p: &PathBuf| self.runtime.prepare(&ImageInput::load(p, self.max_input_pixels)?);
+        let images = paths.iter().map(load).collect::<Result<Vec<_>, _>>().map_err(runtime_err)?;
+        let req = CompletionRequest { ids, images, max_tokens, temperature: 0.0, top_p: 1.0, seed: 0, stop: vec![] };
+        let mut packed = self.packed.lock().unwrap_or_else(|p| p.into_inner());
+        let c = self.runtime.complete(&Solo::new(&mut packed), &req, &mut |_| {}, &|| false).map_err(runtime_err)?;
+        Ok(c.text)
+    }
+
+    /// The screenshots the prompt shows, decoded.
+    pub fn screenshots(&self, input: &StepInput) -> Result<Vec<ImageInput>, AgentError> {
+        let paths = prompt_screenshots(input, self.runtime.prompt_config())?;
+        paths.iter().map(|p| ImageInput::load(p, self.max_input_pixels).map_err(runtime_err)).collect()
     }
 }
 
-/// The identity of `model` answering greedily with `prompt`: its folder, the adapter it runs by name (a
-/// lent model's; [`InProcessAgent::load`] puts the directory and fingerprint instead), the pixel bounds of
-/// its own processor, its device, dtype and kernels.
-fn identity_of(model: &Qwen2Vl, prompt: &PromptConfig, max_new_tokens: usize) -> AgentIdentity {
-    let ic = &model.image_config;
+/// The runtime's step for an episode step with its `screenshots` decoded.
+pub fn runtime_step<'a>(input: &'a StepInput, screenshots: &'a [ImageInput]) -> Step<'a> {
+    Step {
+        task: &input.task,
+        history: &input.history,
+        screenshots,
+        elements: input.elements.as_deref(),
+        screen: Some((input.screen.width, input.screen.height)),
+    }
+}
+
+/// The identity of `model` answering with `prompt` and `options`: its folder, the adapter it runs by name
+/// (a lent model's; [`InProcessAgent::load`] puts the directory and fingerprint instead), its device,
+/// dtype and kernels.
+fn identity_of(model: &Qwen2Vl, prompt: &PromptConfig, options: &StepOptions) -> AgentIdentity {
     let device = match &model.device {
         Device::Cpu => "cpu",
         Device::Cuda(_) => "cuda",
@@ -207,13 +149,9 @@ fn identity_of(model: &Qwen2Vl, prompt: &PromptConfig, max_new_tokens: usize) ->
         url: None,
         adapter: model.merged_adapter().or(model.active_adapter()).map(str::to_string),
         adapter_fingerprint: None,
-        decoding: Decoding::greedy(max_new_tokens),
-        prompt: PromptIdentity {
-            min_pixels: Some(ic.min_pixels),
-            max_pixels: Some(ic.max_pixels),
-            ..PromptIdentity::of(prompt)
-        },
-        runtime: Some(Runtime {
+        decoding: Decoding::of(options),
+        prompt: PromptIdentity::of(prompt),
+        runtime: Some(crate::identity::Runtime {
             device: device.into(),
             dtype: format!("{:?}", model.dtype()).to_lowercase(),
             kernels: model.kernels(),
@@ -231,7 +169,14 @@ impl Agent for InProcessAgent {
     }
 
     fn predict(&self, input: &StepInput) -> Result<Prediction, AgentError> {
-        let (raw, frame) = self.reply(input)?;
-        Ok(prediction_from_reply(raw, &frame))
+        let screenshots = self.screenshots(input)?;
+        let step = runtime_step(input, &screenshots);
+        let mut packed = self.packed.lock().unwrap_or_else(|p| p.into_inner());
+        let out = self.runtime.step(&Solo::new(&mut packed), &step, &self.options, &|| false).map_err(runtime_err)?;
+        let (action, parse_error) = match out.parsed {
+            Ok((action, _)) => (Some(action), None),
+            Err(e) => (None, Some(e)),
+        };
+        Ok(Prediction { action, raw: out.raw, parse_error })
     }
 }

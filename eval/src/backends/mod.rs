@@ -3,9 +3,10 @@
 //! ([`EndpointAgent`], wire types in `askgui_data::agent_api`), chosen from the command line by
 //! [`BackendArgs`].
 //!
-//! The first two build the very prompt training uses (`askgui_data::step_messages`), so a checkpoint is
-//! evaluated on the text it was trained on, and convert the answer from the model's coordinate frame back
-//! to screen pixels before the evaluator sees it; askgui-serve builds the prompt and converts itself.
+//! The in-process agent and askgui-serve answer through the same agent runtime (`askgui_runtime`): the
+//! training prompt, and the server's decoding with the options of [`DecodingArgs`], so a checkpoint is
+//! scored exactly as it is served. The OpenAI backend builds the training prompt itself, decodes as the
+//! endpoint does, and converts the answer from the model's coordinate frame back to screen pixels.
 
 mod endpoint;
 mod http;
@@ -16,6 +17,7 @@ pub mod openai;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
+use askgui_data::agent_api::StepOptions;
 use askgui_data::prompt::StepContext;
 use askgui_data::{parse_answer, Action, ChatMessage, FrameMap, PromptConfig, PromptFlags};
 use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, LoadOptions};
@@ -63,6 +65,8 @@ pub struct BackendArgs {
     /// The longest answer, in tokens.
     #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,
+    #[command(flatten)]
+    pub decoding: DecodingArgs,
     /// Where `--model` runs: `auto` is the first CUDA GPU when the binary is built with `--features
     /// cuda` and one is present, else the CPU.
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
@@ -79,11 +83,49 @@ pub struct BackendArgs {
     pub prompt: PromptFlags,
 }
 
+/// How askgui's runtime decodes an answer (`--model` and `--endpoint`), as askgui-serve's
+/// `options` do.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct DecodingArgs {
+    /// Sampling temperature; 0 (the default) is greedy.
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Seed of the sampler (used when --temperature is above 0).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// `false` lets the model write the action's arguments freely; by default they follow the action's
+    /// schema, so every answer parses.
+    #[arg(long)]
+    pub constrain: Option<bool>,
+    /// Answer `ask` exactly when the model's probability of `ask` is at least this (0..=1).
+    #[arg(long)]
+    pub pause_threshold: Option<f64>,
+}
+
+impl DecodingArgs {
+    /// The agent API's options for answers of at most `max_tokens` tokens.
+    pub fn options(&self, max_tokens: usize) -> StepOptions {
+        StepOptions {
+            max_tokens: Some(max_tokens),
+            temperature: self.temperature,
+            seed: self.seed,
+            constrain: self.constrain,
+            pause_threshold: self.pause_threshold,
+        }
+    }
+
+    fn given(&self) -> bool {
+        self.temperature.is_some() || self.seed.is_some() || self.constrain.is_some() || self.pause_threshold.is_some()
+    }
+}
+
 /// The agent named by the arguments: exactly one of `--model`, `--openai-base` and `--endpoint`.
 pub fn from_args(a: &BackendArgs) -> anyhow::Result<Box<dyn Agent>> {
     if a.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
+    let options = a.decoding.options(a.max_new_tokens);
+    options.check().map_err(|e| anyhow::anyhow!("decoding flags: {e} (--temperature, --pause-threshold)"))?;
     if a.endpoint_adapter.is_some() && a.endpoint.is_none() {
         bail!("--endpoint-adapter is for --endpoint (an askgui-serve server)");
     }
@@ -103,7 +145,7 @@ pub fn from_args(a: &BackendArgs) -> anyhow::Result<Box<dyn Agent>> {
             timeout_s: a.timeout_s,
             retries: a.retries,
             backoff_ms: a.backoff_ms,
-            max_tokens: a.max_new_tokens,
+            options,
             elements: a.prompt.elements.unwrap_or(false),
         };
         return Ok(Box::new(EndpointAgent::new(cfg)?));
@@ -119,13 +161,19 @@ pub fn from_args(a: &BackendArgs) -> anyhow::Result<Box<dyn Agent>> {
                 bail!("--openai-model is for --openai-base; --model runs the checkpoint in-process");
             }
             let load = LoadOptions { device: a.device, dtype: a.dtype, kernels: a.kernels };
-            let agent = InProcessAgent::load(model, a.adapter.as_deref(), &a.prompt, a.max_new_tokens, load)
+            let agent = InProcessAgent::load(model, a.adapter.as_deref(), &a.prompt, options, load)
                 .with_context(|| format!("loading --model {model}"))?;
             Ok(Box::new(agent))
         }
         (None, Some(base)) => {
             if a.adapter.is_some() {
                 bail!("--adapter applies to --model; an endpoint serves its own weights");
+            }
+            if a.decoding.given() {
+                bail!(
+                    "--temperature, --seed, --constrain and --pause-threshold are askgui's decoding (--model, \
+                     --endpoint); an OpenAI-compatible endpoint decodes greedily here"
+                );
             }
             let Some(model) = &a.openai_model else {
                 bail!("--openai-base needs --openai-model (the model name the endpoint serves)");

@@ -1,0 +1,220 @@
+//! One agent runtime: for the same steps (ambiguous tasks with ASK and SAY turns in the history, element
+//! lists, one or two screenshots), askgui-eval's in-process agent, the trainer's periodic-eval agent and
+//! askgui-serve build identical prompt ids and answer with identical actions; and the prompt of every
+//! training sample is, token for token, the runtime's prompt for the same step.
+//!
+//! The model is the tiny random Qwen2.5-VL fixture, so its answers are noise; noise that must be the same
+//! noise everywhere. The steps are written here from the protocol (the task, then each earlier action,
+//! with the annotated step asked and answered), not taken from any of the code under test.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use askgui_data::agent_api::StepOptions;
+use askgui_data::synth::{synth, SynthArgs};
+use askgui_data::{read_episodes, LoadedEpisode, PromptConfig, PromptFlags, TaskMode, Turn};
+use askgui_eval::agent::{Agent, Prediction, StepInput};
+use askgui_eval::backends::inprocess::runtime_step;
+use askgui_eval::backends::{EndpointAgent, EndpointConfig, InProcessAgent};
+use askgui_model::{LoadOptions, Qwen2Vl};
+use askgui_serve::backend::StepJob;
+use askgui_serve::config::Config;
+use askgui_serve::model_backend::{ModelBackend, ModelBackendConfig};
+use askgui_train::agent_eval::lend;
+use askgui_train::data::{load_dataset, DataOptions};
+use candle_core::{DType, Device};
+
+/// The pixel bound the steps are shown at (small screens keep the test fast).
+const MAX_PIXELS: usize = 12544;
+const MAX_TOKENS: usize = 16;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl")
+}
+
+/// Two synthetic episodes, every task ambiguous (so each has an ASK/SAY step), with element lists.
+fn episodes(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("askgui-train-one-runtime-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    synth(&SynthArgs {
+        out: dir.clone(),
+        episodes: 2,
+        seed: 11,
+        width: 224,
+        height: 400,
+        split: "1:0:0".into(),
+        ambiguous_fraction: 1.0,
+        slot_colors: false,
+        grid: 0,
+        icons: false,
+    })
+    .expect("synth");
+    dir.join("train.jsonl")
+}
+
+fn loaded(path: &Path) -> Vec<LoadedEpisode> {
+    let base = path.parent().unwrap().to_path_buf();
+    let lines = read_episodes(path).unwrap();
+    lines.into_iter().map(|(line, e)| LoadedEpisode { episode: e.unwrap(), base: base.clone(), line }).collect()
+}
+
+/// Every step an agent is asked in an episode, in the order training builds its samples: each step
+/// with the ambiguous task and the earlier actions; the annotated step once as it is (the agent should
+/// ask) and once more after its question and the user's answer.
+fn steps(ep: &LoadedEpisode) -> Vec<StepInput> {
+    let e = &ep.episode;
+    let task = e.ambiguous_task.clone().expect("an ambiguous task");
+    let mut history = Vec::new();
+    let mut out = Vec::new();
+    for (i, s) in e.steps.iter().enumerate() {
+        let input = |history: &Vec<Turn>| StepInput {
+            episode_id: e.id.clone(),
+            step: i,
+            task: task.clone(),
+            history: history.clone(),
+            screenshots: (0..=i).map(|j| ep.image_path(j)).collect(),
+            elements: s.elements.clone(),
+            screen: e.screen,
+            platform: e.platform,
+        };
+        out.push(input(&history));
+        if let Some(ask) = &s.ask {
+            history.push(Turn::Agent { action: ask.action() });
+            history.push(Turn::Say { text: ask.answer.clone() });
+            out.push(input(&history));
+        }
+        history.push(Turn::Agent { action: s.action.clone() });
+    }
+    out
+}
+
+fn options() -> StepOptions {
+    StepOptions { max_tokens: Some(MAX_TOKENS), ..StepOptions::default() }
+}
+
+fn prompt(history_images: usize) -> PromptConfig {
+    PromptConfig { max_pixels: MAX_PIXELS, history_images, elements: true, ..PromptConfig::default() }
+}
+
+/// askgui-eval's agent, loaded from the command line's flags.
+fn eval_agent(history_images: usize) -> InProcessAgent {
+    let flags = PromptFlags {
+        max_pixels: Some(MAX_PIXELS),
+        history_images: Some(history_images),
+        elements: Some(true),
+        ..PromptFlags::default()
+    };
+    let load = LoadOptions::default();
+    InProcessAgent::load(&fixture().display().to_string(), None, &flags, options(), load).unwrap()
+}
+
+/// The agent the trainer lends its model to, with the model's processor set as the trainer sets it.
+fn trainer_agent(history_images: usize) -> InProcessAgent {
+    let mut model = Qwen2Vl::load(&fixture().display().to_string(), &Device::Cpu, DType::F32).unwrap();
+    model.image_config.max_pixels = MAX_PIXELS;
+    lend(model, &prompt(history_images), MAX_TOKENS).unwrap()
+}
+
+/// The prompt ids of the training samples of `path`, up to each sample's first supervised token.
+fn training_prompts(path: &Path, history_images: usize) -> Vec<Vec<u32>> {
+    let mut model = Qwen2Vl::load(&fixture().display().to_string(), &Device::Cpu, DType::F32).unwrap();
+    model.image_config.max_pixels = MAX_PIXELS;
+    let opts = DataOptions {
+        prompt: PromptConfig { min_pixels: model.image_config.min_pixels, ..prompt(history_images) },
+        task_mode: TaskMode::Ambiguous,
+        extra_task_modes: vec![],
+        history_length: 0,
+        max_seq_len: 1 << 20,
+        skip_bad_records: false,
+        ask_repeat: 1,
+        say_repeat: 1,
+        region_words: false,
+    };
+    let data = load_dataset(path, &opts, &model.tokenizer().unwrap(), &model.image_config).unwrap();
+    let cut = |s: &askgui_train::data::PreparedSample| s.ids[..s.labels_mask.iter().position(|&m| m).unwrap()].to_vec();
+    data.samples.iter().map(cut).collect()
+}
+
+fn ids(agent: &InProcessAgent, input: &StepInput) -> Vec<u32> {
+    let shots = agent.screenshots(input).unwrap();
+    agent.runtime().prompt(&runtime_step(input, &shots)).unwrap().ids
+}
+
+fn predict(agent: &dyn Agent, input: &StepInput) -> Prediction {
+    agent.predict(input).unwrap_or_else(|e| panic!("{} step {}: {e}", input.episode_id, input.step))
+}
+
+#[test]
+fn eval_the_trainer_and_training_data_ask_the_same_and_eval_and_the_trainer_answer_the_same() {
+    let path = episodes("two-screenshots");
+    let inputs: Vec<StepInput> = loaded(&path).iter().flat_map(steps).collect();
+    assert!(inputs.iter().any(|i| i.history.iter().any(|t| matches!(t, Turn::Say { .. }))), "no SAY turn");
+    // Two screenshots from the second step on.
+    let (eval, trainer) = (eval_agent(1), trainer_agent(1));
+    let samples = training_prompts(&path, 1);
+    assert_eq!(samples.len(), inputs.len(), "one training sample per step asked");
+    for (input, sample) in inputs.iter().zip(&samples) {
+        let what = format!("{} step {} ({} history turns)", input.episode_id, input.step, input.history.len());
+        let e = ids(&eval, input);
+        let pads = e.iter().filter(|&&t| t == eval.runtime().tokenizer().image_pad_id).count();
+        assert!(pads > 0, "{what}: no image in the prompt");
+        assert_eq!(e, ids(&trainer, input), "{what}: eval and the trainer's eval differ");
+        assert_eq!(&e, sample, "{what}: the training sample's prompt differs from the runtime's");
+        assert_eq!(predict(&eval, input), predict(&trainer, input), "{what}");
+    }
+}
+
+/// askgui-serve's backend as `askgui-serve --model FIXTURE --max-pixels 12544` loads it.
+fn server_config() -> Config {
+    let mut cfg = Config::for_model(fixture().display().to_string());
+    cfg.port = 0;
+    cfg.max_pixels = Some(MAX_PIXELS);
+    cfg
+}
+
+#[test]
+fn the_server_asks_and_answers_as_eval_and_the_trainer_do() {
+    let path = episodes("server");
+    let inputs: Vec<StepInput> = loaded(&path).iter().flat_map(steps).collect();
+    let (eval, trainer) = (eval_agent(0), trainer_agent(0));
+    let samples = training_prompts(&path, 0);
+    let cfg = server_config();
+    let backend = ModelBackend::load(&ModelBackendConfig::from(&cfg)).unwrap();
+    let mb = ModelBackendConfig::from(&cfg);
+    let factory = Box::new(move || {
+        let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&mb)?);
+        Ok(b)
+    });
+    let server = askgui_serve::start(cfg.clone(), factory).expect("the server starts");
+    let t0 = Instant::now();
+    while ureq::get(&server.url("/health")).call().is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "the model did not load");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let client = EndpointAgent::new(EndpointConfig {
+        base: server.url("").trim_end_matches('/').to_string(),
+        adapter: None,
+        timeout_s: 60.0,
+        retries: 0,
+        backoff_ms: 10,
+        options: options(),
+        elements: true,
+    })
+    .unwrap();
+    for (input, sample) in inputs.iter().zip(&samples) {
+        let what = format!("{} step {} ({} history turns)", input.episode_id, input.step, input.history.len());
+        // The request eval sends, decoded as the server's route decodes it.
+        let request = client.request(input).unwrap();
+        let bytes = request.observation.screenshot_bytes().unwrap().expect("a screenshot");
+        let shot = askgui_serve::images::decode(&bytes, cfg.max_image_pixels, "screenshot").unwrap();
+        let job = StepJob { request, screenshot: Some(shot) };
+        let served = backend.runtime().prompt(&askgui_serve::model_backend::runtime_step(&job)).unwrap().ids;
+        assert_eq!(served, ids(&eval, input), "{what}: the server and eval differ");
+        assert_eq!(served, ids(&trainer, input), "{what}: the server and the trainer's eval differ");
+        assert_eq!(&served, sample, "{what}: the server and the training sample differ");
+        let answer = predict(&client, input);
+        assert_eq!(answer, predict(&eval, input), "{what}: the server and eval answer differently");
+        assert_eq!(answer, predict(&trainer, input), "{what}: the server and the trainer's eval answer differently");
+    }
+    server.stop();
+}
