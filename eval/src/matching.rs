@@ -1,7 +1,9 @@
 //! Step matching: is a predicted action the annotated one?
 //!
-//! The rules follow the AITW action-matching code (also used by OS-Atlas and Navi-plus on AndroidControl),
-//! made explicit and configurable ([`MatchConfig`], also clap arguments):
+//! Which rules score a step depends on where its episode came from ([`RuleSet`], `--match-rules`, by
+//! default chosen from the converter's id prefix): AndroidControl and Mind2Web episodes are scored as
+//! those datasets' published evaluations score them ([`published`]); every other episode (the synthetic
+//! world) by our own rules, made explicit and configurable ([`MatchConfig`], also clap arguments):
 //! - the action types must be equal (`click` never matches `long_press`);
 //! - click-like actions (click, long_press, double_click, right_click): when the annotated action has a
 //!   *target element* (the element it names, or else the smallest element of the step's list that contains
@@ -18,8 +20,38 @@
 //!   name once lower-cased with everything but letters and digits removed;
 //! - `wait`: any wait; `done`: same status; `ask`: any ask (its content is scored separately).
 
-use askgui_data::{Action, Direction, Element, Screen, Segment, Target};
+pub mod published;
+
+use askgui_data::{Action, Direction, Element, Episode, Screen, Segment, Target};
 use serde::{Deserialize, Serialize};
+
+/// Which rules score the steps of an episode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum RuleSet {
+    /// By the episode's source: ids `androidcontrol-...` and `mind2web-...` (the converters' prefixes) get
+    /// that dataset's rules, every other episode the synthetic world's.
+    #[default]
+    Auto,
+    /// Our rules ([`MatchConfig::matches`]) for every episode.
+    Synthetic,
+    /// AITW's action matching, with text compared (see [`published`]).
+    AndroidControl,
+    /// Mind2Web's element accuracy and operation F1 = 1 (see [`published`]).
+    Mind2Web,
+}
+
+impl RuleSet {
+    /// The rules that score episode `id`: itself, or for `Auto` the one its id prefix names.
+    pub fn resolve(self, id: &str) -> RuleSet {
+        match self {
+            RuleSet::Auto if id.starts_with("androidcontrol-") => RuleSet::AndroidControl,
+            RuleSet::Auto if id.starts_with("mind2web-") => RuleSet::Mind2Web,
+            RuleSet::Auto => RuleSet::Synthetic,
+            other => other,
+        }
+    }
+}
 
 /// The thresholds of step matching.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, clap::Args)]
@@ -40,16 +72,40 @@ pub struct MatchConfig {
     /// AITW's rule: inside the target box OR within the distance (default: the box alone when known).
     #[arg(long = "match-box-or-distance", default_value_t = false)]
     pub box_or_distance: bool,
+    /// Which rules score a step: auto (AndroidControl's and Mind2Web's published rules for the episodes
+    /// converted from them, ours for the rest), or one set for every episode.
+    #[arg(long = "match-rules", value_enum, default_value_t = RuleSet::Auto)]
+    #[serde(default)]
+    pub rules: RuleSet,
 }
 
 impl Default for MatchConfig {
     fn default() -> Self {
-        Self { distance: 0.14, text_f1: 0.5, max_box_fraction: 0.5, no_infer_element: false, box_or_distance: false }
+        Self {
+            distance: 0.14,
+            text_f1: 0.5,
+            max_box_fraction: 0.5,
+            no_infer_element: false,
+            box_or_distance: false,
+            rules: RuleSet::Auto,
+        }
     }
 }
 
 impl MatchConfig {
-    /// Whether `pred` matches the annotated `gold` action of a step on `screen` with `elements`.
+    /// Whether `pred` matches the annotated action of step `step` of `ep`, under the rules of its source.
+    pub fn matches_step(&self, pred: &Action, ep: &Episode, step: usize) -> bool {
+        let s = &ep.steps[step];
+        let els = s.elements.as_deref();
+        match self.rules.resolve(&ep.id) {
+            RuleSet::AndroidControl => published::android_control(self, pred, &s.action, ep.screen, els),
+            RuleSet::Mind2Web => published::mind2web(self, pred, &s.action, ep.screen, els),
+            RuleSet::Auto | RuleSet::Synthetic => self.matches(pred, &s.action, ep.screen, els),
+        }
+    }
+
+    /// Whether `pred` matches the annotated `gold` action of a step on `screen` with `elements`, by our
+    /// (synthetic world's) rules.
     pub fn matches(&self, pred: &Action, gold: &Action, screen: Screen, elements: Option<&[Element]>) -> bool {
         match (pred, gold) {
             (Action::Click(p), Action::Click(g))
@@ -289,6 +345,39 @@ mod tests {
         let done = |s| Action::Done { status: s };
         assert!(!m.matches(&done(DoneStatus::Success), &done(DoneStatus::Infeasible), SCREEN, None));
         assert!(m.matches(&Action::Wait { seconds: 1.0 }, &Action::Wait { seconds: 3.0 }, SCREEN, None));
+    }
+
+    #[test]
+    fn rules_follow_the_episode_source() {
+        use askgui_data::{Episode, Platform, Step};
+        let ep = |id: &str| Episode {
+            id: id.into(),
+            platform: Platform::Android,
+            screen: SCREEN,
+            task: "t".into(),
+            ambiguous_task: None,
+            steps: vec![Step {
+                screenshot: "s.png".into(),
+                elements: None,
+                instruction: None,
+                informative: None,
+                action: Action::Type { text: "oat milk latte".into() },
+                ask: None,
+            }],
+        };
+        assert_eq!(RuleSet::Auto.resolve("androidcontrol-42"), RuleSet::AndroidControl);
+        assert_eq!(RuleSet::Auto.resolve("mind2web-abc"), RuleSet::Mind2Web);
+        assert_eq!(RuleSet::Auto.resolve("synth-7"), RuleSet::Synthetic);
+        assert_eq!(RuleSet::Synthetic.resolve("mind2web-abc"), RuleSet::Synthetic);
+        // "oat milk" against "oat milk latte": token F1 0.8 > 0.5 by our rules; the token sets differ, so
+        // not under AndroidControl's or Mind2Web's.
+        let pred = Action::Type { text: "oat milk".into() };
+        let m = MatchConfig::default();
+        assert!(m.matches_step(&pred, &ep("synth-7"), 0));
+        assert!(!m.matches_step(&pred, &ep("androidcontrol-42"), 0));
+        assert!(!m.matches_step(&pred, &ep("mind2web-abc"), 0));
+        let forced = MatchConfig { rules: RuleSet::Synthetic, ..m };
+        assert!(forced.matches_step(&pred, &ep("mind2web-abc"), 0));
     }
 
     #[test]
