@@ -5,7 +5,8 @@
 //! step is right; [`modes`] runs standard, Dual-Stream and strict evaluation over an episode; [`metrics`]
 //! aggregates; [`runner`] runs a whole file with concurrency and resumable results, keyed on the run's
 //! [`identity`]; [`report`] writes JSON, Markdown and plots; [`text`] holds the ASK-content metrics
-//! (all-MiniLM-L6-v2 cosine in candle, METEOR).
+//! (all-MiniLM-L6-v2 cosine in candle, METEOR); [`sensitivity`] scores a finished run again under each
+//! choice the papers leave open.
 
 pub mod agent;
 pub mod backends;
@@ -15,4 +16,5 @@ pub mod metrics;
 pub mod modes;
 pub mod report;
 pub mod runner;
+pub mod sensitivity;
 pub mod text;

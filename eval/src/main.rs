@@ -28,6 +28,16 @@ struct Cli {
 enum Command {
     /// Evaluate an agent over an episode file; writes results-<mode>.jsonl, report.json, report.md and plots.
     Run(Box<RunArgs>),
+    /// How far each choice the papers leave open moves the Table 1 numbers of finished runs (Markdown on
+    /// stdout); no agent is called.
+    Sensitivity {
+        /// A folder written by `run` (repeat for several).
+        #[arg(long = "results", required = true)]
+        results: Vec<PathBuf>,
+        /// The episode file (default: the one the folder's identity.json names).
+        #[arg(long)]
+        episodes: Option<PathBuf>,
+    },
     /// Score (reference, hypothesis) question pairs: one JSON line with `cosine` and `meteor` per pair.
     ScoreText {
         /// JSONL of {"reference": .., "hypothesis": ..}.
@@ -123,6 +133,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let report = run_eval(agent.as_ref(), &episodes, &cfg, &text)?;
             print!("{}", askgui_eval::report::markdown(&report));
             eprintln!("reports written to {}", cfg.out.display());
+        }
+        Command::Sensitivity { results, episodes } => {
+            print!("{}", askgui_eval::sensitivity::tables(&results, episodes.as_deref())?);
         }
         Command::ScoreText { pairs, text } => {
             let m = TextMetrics::load(text.embedder.as_deref(), text.wordnet.as_deref());

@@ -104,6 +104,47 @@ fn decoding_text(d: &Decoding) -> String {
     parts.join(", ")
 }
 
+/// `rate (needless / tasks)`, or "–".
+fn task_fpr_cell(m: &ModeMetrics) -> String {
+    m.task_fpr.as_ref().map_or("–".into(), |t| format!("{} ({}/{})", frac(t.rate), t.needless, t.tasks))
+}
+
+/// Morae's strict table: the outcomes, precision, recall, F1 and task success (§5.1), and the per-task
+/// ask FPR.
+fn strict_section(s: &mut String, m: &ModeMetrics, notes: &mut Vec<String>) {
+    let _ = writeln!(s, "## Strict task-level pausing (Morae)\n");
+    let _ = writeln!(
+        s,
+        "| TP | FP early | FP spurious | FN missed | FN late | FN off path | TN | failed, no pause | precision | \
+         recall | F1 | task success | pause required | no pause | ask FPR per task | CosSim | METEOR |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let c = m.strict.clone().unwrap_or_default();
+    let a = m.ask.as_ref();
+    let content = m.content.as_ref();
+    let _ = writeln!(
+        s,
+        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+        c.tp,
+        c.fp_early,
+        c.fp_spurious,
+        c.fn_missed,
+        c.fn_late,
+        c.fn_off_path,
+        c.tn,
+        c.failed_unpaused,
+        frac(a.and_then(|a| a.precision)),
+        frac(a.and_then(|a| a.recall)),
+        frac(a.and_then(|a| a.f1)),
+        pct(m.sr),
+        pct(m.sr_pause_required),
+        pct(m.sr_no_pause),
+        task_fpr_cell(m),
+        metric_cell(content.map(|c| &c.cosine), notes),
+        metric_cell(content.map(|c| &c.meteor), notes),
+    );
+}
+
 /// The Markdown report.
 pub fn markdown(report: &Report) -> String {
     let mut s = String::new();
@@ -141,34 +182,29 @@ pub fn markdown(report: &Report) -> String {
                 metric_cell(content.map(|c| &c.meteor), &mut notes),
             );
         }
-        let _ =
-            writeln!(s, "\nSSR, SR and SSR before/after in %; ASK metrics as fractions. Rows: see eval/README.md.\n");
-    }
-    if let Some(m) = report.mode(Mode::Strict) {
-        let _ = writeln!(s, "## Strict task-level pausing (Morae)\n");
-        let _ = writeln!(s, "| TP | FP early | FP spurious | FN missed | FN late | TN | failed, no pause | precision | recall | FPR | F1 | task success | CosSim | METEOR |");
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-        let c = m.strict.clone().unwrap_or_default();
-        let a = m.ask.as_ref();
-        let content = m.content.as_ref();
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
-            c.tp,
-            c.fp_early,
-            c.fp_spurious,
-            c.fn_missed,
-            c.fn_late,
-            c.tn,
-            c.failed_unpaused,
-            frac(a.and_then(|a| a.precision)),
-            frac(a.and_then(|a| a.recall)),
-            frac(a.and_then(|a| a.fpr)),
-            frac(a.and_then(|a| a.f1)),
-            pct(m.sr),
-            metric_cell(content.map(|c| &c.cosine), &mut notes),
-            metric_cell(content.map(|c| &c.meteor), &mut notes),
+            "\nNavi-plus Appendix F: SSR and SSR before/after are per-episode means, in %; ASK metrics as \
+             fractions, the FPR per step. Rows and definitions: eval/README.md.\n"
         );
+        let _ = writeln!(s, "| Setting | SSR pooled | before pooled | after pooled | ASK recall | ask FPR per task |");
+        let _ = writeln!(s, "|---|---|---|---|---|---|");
+        for m in Mode::TABLE.iter().filter_map(|m| report.mode(*m)) {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} |",
+                m.mode.row_label(),
+                pct(m.ssr_pooled),
+                pct(m.ssr_before_pooled),
+                pct(m.ssr_after_pooled),
+                frac(m.ask.as_ref().and_then(|a| a.recall)),
+                task_fpr_cell(m),
+            );
+        }
+        let _ = writeln!(s, "\nPooled: right steps / steps over all episodes (not the papers' definition).\n");
+    }
+    if let Some(m) = report.mode(Mode::Strict) {
+        strict_section(&mut s, m, &mut notes);
     }
     let _ = writeln!(s, "## Counts\n");
     let _ = writeln!(

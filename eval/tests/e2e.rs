@@ -105,6 +105,8 @@ fn http_endpoint_run_writes_the_reports_with_known_numbers() -> anyhow::Result<(
     let file = episodes(&dir.join("data"));
     let eps = load_episodes(&file)?;
     let (n, steps) = (eps.len(), eps.iter().map(|e| e.episode.steps.len()).sum::<usize>());
+    // Navi-plus F.1: the mean over episodes of 1 / T_e (one right step each).
+    let ssr = eps.iter().map(|e| 1.0 / e.episode.steps.len() as f64).sum::<f64>() / n as f64;
     let out = dir.join("run");
     let (url, calls) = done_server();
     let (f, o) = (file.to_str().unwrap(), out.to_str().unwrap());
@@ -117,7 +119,8 @@ fn http_endpoint_run_writes_the_reports_with_known_numbers() -> anyhow::Result<(
     // Every synthetic episode ends with its only `done`: the agent is right on exactly one step each.
     assert_eq!(original["steps"], steps);
     assert_eq!(original["correct_steps"], n);
-    assert!((original["ssr"].as_f64().unwrap() - n as f64 / steps as f64).abs() < 1e-12);
+    assert!((original["ssr"].as_f64().unwrap() - ssr).abs() < 1e-12);
+    assert!((original["ssr_pooled"].as_f64().unwrap() - n as f64 / steps as f64).abs() < 1e-12);
     assert_eq!(original["sr"], 0.0, "no episode is all right");
     let md = std::fs::read_to_string(out.join("report.md"))?;
     for row in ["original task", "incomplete task", "+ASK", "+Dual eval"] {
