@@ -1,6 +1,8 @@
 //! ASK-content metrics of the Navi-plus paper: how close a predicted clarifying question is to the reference.
 //!
-//! Two metrics, each reproducing the Python tool the paper used so numbers are comparable:
+//! The paper names neither tool: Appendix F.4 says "a Sentence Transformer model" for CosSim, and §3.1
+//! names METEOR with no implementation. Our choice, each reproducing a common Python tool exactly so that
+//! our numbers can be checked against it (not against the paper's, which may come from other tools):
 //! - [`minilm`]: cosine similarity of all-MiniLM-L6-v2 sentence embeddings (sentence-transformers), in candle;
 //! - [`meteor`]: NLTK's `meteor_score` (exact, Porter-stem and WordNet 3.0 synonym matching) on lower-cased
 //!   `wordpunct_tokenize` tokens, with [`porter`] and [`wordnet`] re-implementing NLTK's stemmer and reader.
