@@ -5,7 +5,8 @@
 //! trained from scratch ([`crate::init::DEMO_CONFIG`], `--mode full`) on the full tasks; a LoRA adapter on the
 //! Navi-plus mix; askgui-eval on the test split (base and LoRA+ASK agents; original, incomplete, blank-screen,
 //! standard, Dual-Stream and strict runs, each behind a [`MemoAgent`]); `report.json` ([`DemoReport`], stable
-//! keys) and `report.md`, with every target checked and none claimed.
+//! keys) and `report.md`, with every target checked and none claimed. The targets are stated on the metrics
+//! as the papers define them (askgui-eval's defaults, `eval/README.md`).
 //!
 //! The key choice: a model trained from scratch learns to pick an option by the task's words only with the
 //! region loss read from its first decoder layer, and keeps a question's tokens apart only with the dialogues'
@@ -121,16 +122,24 @@ pub struct DemoArgs {
     pub no_progress: bool,
 }
 
-/// SSR and SR of one evaluation, with the ASK numbers where the mode scores asks.
+/// SSR and SR of one evaluation (Navi-plus Appendix F: per-episode means), with the ASK numbers where the
+/// mode scores asks.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Scores {
     pub ssr: Option<f64>,
     pub sr: Option<f64>,
+    pub ssr_before: Option<f64>,
+    pub ssr_after: Option<f64>,
+    /// Right steps / steps over all episodes (not the papers' SSR).
+    pub ssr_pooled: Option<f64>,
     pub steps: usize,
     pub episodes: usize,
     pub ask_precision: Option<f64>,
     pub ask_recall: Option<f64>,
+    /// Per step: needless asks / steps that need none (Standard, Dual; none in Strict).
     pub ask_fpr: Option<f64>,
+    /// Per task: tasks with a needless ask / tasks that need none.
+    pub ask_task_fpr: Option<f64>,
     pub ask_f1: Option<f64>,
 }
 
@@ -140,11 +149,15 @@ impl From<&ModeMetrics> for Scores {
         Self {
             ssr: m.ssr,
             sr: m.sr,
+            ssr_before: m.ssr_before,
+            ssr_after: m.ssr_after,
+            ssr_pooled: m.ssr_pooled,
             steps: m.steps,
             episodes: m.episodes,
             ask_precision: a.and_then(|a| a.precision),
             ask_recall: a.and_then(|a| a.recall),
             ask_fpr: a.and_then(|a| a.fpr),
+            ask_task_fpr: m.task_fpr.as_ref().and_then(|t| t.rate),
             ask_f1: a.and_then(|a| a.f1),
         }
     }
@@ -217,7 +230,8 @@ pub fn checks(r: &DemoReport) -> Vec<Check> {
         check("lora_dual_ssr_vs_base_original", r.lora_dual.ssr, ">=", mul(bo.ssr, 0.95)),
         check("lora_dual_sr_vs_base_original", r.lora_dual.sr, ">=", mul(bo.sr, 0.9)),
         check("lora_strict_ask_f1", r.lora_strict.ask_f1, ">=", Some(0.8)),
-        check("lora_strict_ask_fpr", r.lora_strict.ask_fpr, "<=", Some(0.05)),
+        // Navi-plus Table 1's regime: per-step ask FPR 0.055 (+ASK) and 0.004 (Dual-Stream).
+        check("lora_dual_ask_fpr", r.lora_dual.ask_fpr, "<=", Some(0.05)),
         check("blank_screen_ssr_vs_base_original", r.base_blank_screen.ssr, "<=", mul(bo.ssr, 0.5)),
     ]
 }
@@ -518,7 +532,11 @@ pub fn markdown(r: &DemoReport) -> String {
     use std::fmt::Write;
     let mut s = String::from("# askgui-train demo\n\n");
     let _ = writeln!(s, "Test episodes: {}.\n", r.test_episodes);
-    let _ = writeln!(s, "| Setting | SSR | SR | ASK precision | FPR | F1 |\n|---|---|---|---|---|---|");
+    let _ = writeln!(
+        s,
+        "| Setting | SSR | SR | SSR before / after | ASK precision | recall | FPR per step | F1 | FPR per task |\n\
+         |---|---|---|---|---|---|---|---|---|"
+    );
     for (label, x) in [
         ("base, original task", &r.base_original),
         ("base, incomplete task", &r.base_incomplete),
@@ -530,14 +548,23 @@ pub fn markdown(r: &DemoReport) -> String {
     ] {
         let _ = writeln!(
             s,
-            "| {label} | {} | {} | {} | {} | {} |",
+            "| {label} | {} | {} | {} / {} | {} | {} | {} | {} | {} |",
             pct(x.ssr),
             pct(x.sr),
+            pct(x.ssr_before),
+            pct(x.ssr_after),
             frac(x.ask_precision),
+            frac(x.ask_recall),
             frac(x.ask_fpr),
-            frac(x.ask_f1)
+            frac(x.ask_f1),
+            frac(x.ask_task_fpr)
         );
     }
+    let _ = writeln!(
+        s,
+        "\nSSR and SSR before/after: per-episode means (Navi-plus Appendix F), in %; strict: Morae's task \
+         success, precision, recall and F1 per task (eval/README.md)."
+    );
     let _ = writeln!(s, "\n| Check | value | target | met |\n|---|---|---|---|");
     for c in &r.checks {
         let _ = writeln!(s, "| {} | {} | {} {} | {} |", c.name, frac(c.value), c.op, frac(c.bound), c.met);

@@ -49,7 +49,20 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         "lora_dual",
         "lora_strict",
     ] {
-        for field in ["ssr", "sr", "ask_precision", "ask_recall", "ask_fpr", "ask_f1", "steps", "episodes"] {
+        for field in [
+            "ssr",
+            "sr",
+            "ssr_before",
+            "ssr_after",
+            "ssr_pooled",
+            "ask_precision",
+            "ask_recall",
+            "ask_fpr",
+            "ask_task_fpr",
+            "ask_f1",
+            "steps",
+            "episodes",
+        ] {
             assert!(json[key].get(field).is_some(), "report.json lacks {key}.{field}");
         }
         assert_eq!(json[key]["episodes"], 2, "{key}");
