@@ -26,6 +26,8 @@ pub struct Cli {
 pub enum Command {
     /// Fold a LoRA adapter into its base checkpoint and write a plain Hugging Face checkpoint.
     Merge(crate::merge::MergeArgs),
+    /// Rewrite a PEFT LoRA adapter's tensor keys: transformers5 (PEFT today) or hub (older stacks, vLLM).
+    ConvertAdapter(crate::convert_adapter::ConvertArgs),
     /// Synthetic world -> base agent from scratch -> LoRA+ASK -> eval, on the CPU with nothing downloaded.
     Demo(crate::demo::DemoArgs),
     /// Check every kernel against its plain-candle reference on this device; exits non-zero if one fails.

@@ -12,6 +12,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use askgui_data::{FrameKind, SystemPrompt, TaskMode};
+use askgui_model::AdapterLayout;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, FromArgMatches, ValueEnum};
 use serde::{Deserialize, Serialize};
@@ -37,7 +38,7 @@ pub enum Preset {
     NaviPlus,
 }
 
-/// The tensor key layout of saved adapters (askgui reads both).
+/// The tensor key layout of saved adapters (askgui reads both); the default is [`AdapterLayout`]'s.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum AdapterKeys {
@@ -47,7 +48,16 @@ pub enum AdapterKeys {
     Transformers5,
 }
 
-impl From<AdapterKeys> for askgui_model::AdapterLayout {
+impl Default for AdapterKeys {
+    fn default() -> Self {
+        match AdapterLayout::default() {
+            AdapterLayout::Hub => Self::Hub,
+            AdapterLayout::Transformers5 => Self::Transformers5,
+        }
+    }
+}
+
+impl From<AdapterKeys> for AdapterLayout {
     fn from(k: AdapterKeys) -> Self {
         match k {
             AdapterKeys::Hub => Self::Hub,
@@ -250,8 +260,8 @@ pub struct RunArgs {
     /// Write checkpoints at all.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub save_checkpoints: bool,
-    /// Key layout of the saved adapter.
-    #[arg(long, value_enum, default_value_t = AdapterKeys::Hub)]
+    /// Key layout of the saved adapter: transformers5 for PEFT on transformers 5, hub for older stacks.
+    #[arg(long, value_enum, default_value_t = AdapterKeys::default())]
     pub adapter_keys: AdapterKeys,
     /// Eval loss on --val every this many steps (0: only at the end).
     #[arg(long, default_value_t = 200)]

@@ -21,6 +21,8 @@ pub enum TrainError {
     Data(String),
     #[error("merge: {0}")]
     Merge(String),
+    #[error("convert-adapter: {0}")]
+    Convert(String),
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
     #[error(

@@ -4,9 +4,9 @@
 //! mask, the data order), [`optim`] (AdamW, the warmup + cosine schedule, clipping), [`snapshot`]
 //! (atomic training snapshots: the PEFT-format adapter with the optimiser and trainer state),
 //! [`check_gpu`] (every kernel against its reference on a device), [`merge`] (an adapter folded into a
-//! plain Hugging Face checkpoint), [`adapter_card`] (`askgui.json`, the prompt and image settings beside
-//! each adapter), [`plot`] (curves.svg), [`bpe`] (a small tokenizer learned from a corpus), [`init`]
-//! (random models),
+//! plain Hugging Face checkpoint), [`convert_adapter`] (an adapter's keys rewritten for another stack),
+//! [`adapter_card`] (`askgui.json`, the prompt and image settings beside each adapter), [`plot`]
+//! (curves.svg), [`bpe`] (a small tokenizer learned from a corpus), [`init`] (random models),
 //! [`agent_eval`] (the agent metrics and sample prediction of the periodic eval, through askgui-eval) and
 //! [`trainer`] (the loop). The model's training path (LoRA `Var`s, loss and gradients) is askgui-model's;
 //! prompts are askgui-data's, the same code that serve and eval use, so a model is trained on exactly the
@@ -19,6 +19,7 @@ pub mod bpe;
 pub mod check_gpu;
 pub mod cli;
 pub mod config;
+pub mod convert_adapter;
 pub mod data;
 pub mod demo;
 pub mod error;

@@ -6,6 +6,8 @@
 //!
 //! `askgui-train merge --model DIR --adapter CHECKPOINT --out DIR` folds an adapter into its base
 //! ([`askgui_train::merge`]).
+//! `askgui-train convert-adapter --in DIR --out DIR --to transformers5|hub` rewrites an adapter's keys
+//! ([`askgui_train::convert_adapter`]).
 //! `askgui-train demo [--out DIR]` runs the from-scratch demo ([`askgui_train::demo`]).
 //! `askgui-train check-gpu [--device cuda]` checks every kernel against its reference on the device and
 //! exits non-zero if one disagrees ([`askgui_train::check_gpu`]).
@@ -33,6 +35,9 @@ fn main() -> Result<()> {
     match &cli.command {
         Some(Command::Merge(args)) => {
             askgui_train::merge::merge(args)?;
+        }
+        Some(Command::ConvertAdapter(args)) => {
+            askgui_train::convert_adapter::convert(args)?;
         }
         Some(Command::Demo(args)) => {
             let report = askgui_train::demo::run(args)?;

@@ -7,8 +7,10 @@
 //! the merged values. Each tensor is written back in the dtype the base checkpoint stored it in (a bf16
 //! checkpoint stays bf16: the merged weight is rounded once, as PEFT's `merge_and_unload` on a bf16 model
 //! does); tensors of the base file that the model does not load are copied through unchanged. Keys are the
-//! hub layout (`model.layers.N...`, `visual.*`) whichever layout the base used; one `model.safetensors`
-//! is written even when the base was sharded. `config.json`, the tokenizer files, `preprocessor_config.json`
+//! hub layout (`model.layers.N...`, `visual.*`) whichever layout the base used, as the hub's Qwen2.5-VL
+//! checkpoints are: transformers 5 renames them on load with an empty load report (no missing or unused
+//! weight; `scripts/checks/check_merged.py` checks it). One `model.safetensors` is written even when the
+//! base was sharded. `config.json`, the tokenizer files, `preprocessor_config.json`
 //! and `generation_config.json` are copied when present, and the adapter's `askgui.json` (the prompt and
 //! image settings it was trained with).
 //!
@@ -18,6 +20,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
+use askgui_model::peft::hub_name;
 use askgui_model::Qwen2Vl;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
@@ -75,18 +78,6 @@ pub struct MergeSummary {
     pub copied: Vec<String>,
 }
 
-/// The hub-layout name of a stored tensor name (transformers 5 writes `model.language_model.*` and
-/// `model.visual.*`; askgui-model and the hub use `model.*` and `visual.*`).
-pub fn hub_name(stored: &str) -> String {
-    if let Some(r) = stored.strip_prefix("model.language_model.") {
-        format!("model.{r}")
-    } else if let Some(r) = stored.strip_prefix("model.visual.") {
-        format!("visual.{r}")
-    } else {
-        stored.to_string()
-    }
-}
-
 /// Merges `args.adapter` into `args.model` and writes `args.out`.
 pub fn merge(args: &MergeArgs) -> Result<MergeSummary> {
     let bad = |m: String| Err(TrainError::Merge(m));
@@ -96,25 +87,7 @@ pub fn merge(args: &MergeArgs) -> Result<MergeSummary> {
             args.adapter.display()
         ));
     }
-    if args.out.exists() {
-        let non_empty = std::fs::read_dir(&args.out).map_err(io(&args.out))?.next().is_some();
-        if !args.out.is_dir() || non_empty {
-            return bad(format!(
-                "--out {} already exists and is not an empty folder; choose a new folder (nothing is overwritten)",
-                args.out.display()
-            ));
-        }
-    }
-    let parent = match args.out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = args
-        .out
-        .file_name()
-        .ok_or_else(|| TrainError::Merge(format!("--out {}: not a folder name", args.out.display())))?
-        .to_string_lossy()
-        .into_owned();
+    let (parent, name) = crate::snapshot::fresh_folder(&args.out, "--out", TrainError::Merge)?;
 
     let device = Device::Cpu;
     let mut model = Qwen2Vl::load(&args.model, &device, DType::F32)?;

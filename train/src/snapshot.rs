@@ -3,10 +3,10 @@
 //!
 //! A snapshot is a folder `checkpoint-NNNNNNN` (the optimiser step; the folder and file names stay as
 //! earlier runs wrote them, so those runs resume) holding the adapter in PEFT's format
-//! (`adapter_config.json`, `adapter_model.safetensors`, keys in the hub layout or, with
-//! `--adapter-keys transformers5`, PEFT-on-transformers-5's: the folder loads in PEFT as it is), the
-//! optimiser state (`optimizer.safetensors`), the trainer state (`trainer_state.json`: step, data
-//! position, seed, schedule length) and the resolved config (`config.toml`). There is no RNG state to
+//! (`adapter_config.json`, `adapter_model.safetensors` and the model card `README.md`; keys in
+//! PEFT-on-transformers-5's layout, so the folder loads in PEFT as it is, or with `--adapter-keys hub` the
+//! hub's), the optimiser state (`optimizer.safetensors`), the trainer state (`trainer_state.json`: step,
+//! data position, seed, schedule length) and the resolved config (`config.toml`). There is no RNG state to
 //! save: every random draw of a run (the data order, the dropout masks) is a pure function of the seed,
 //! the epoch and the step, all of which are in the trainer state.
 //!
@@ -55,6 +55,26 @@ impl TrainerState {
 /// The folder name of step `step`'s snapshot.
 pub fn dir_name(step: usize) -> String {
     format!("{PREFIX}{step:07}")
+}
+
+/// The parent and name of the folder `flag` (`--out`) that a command is about to write: it must not exist,
+/// or be an empty folder, so that nothing is overwritten. `err` makes the command's error from a message.
+pub(crate) fn fresh_folder(path: &Path, flag: &str, err: fn(String) -> TrainError) -> Result<(PathBuf, String)> {
+    if path.exists() {
+        let non_empty = std::fs::read_dir(path).map_err(io(path))?.next().is_some();
+        if !path.is_dir() || non_empty {
+            return Err(err(format!(
+                "{flag} {} already exists and is not an empty folder; choose a new folder (nothing is overwritten)",
+                path.display()
+            )));
+        }
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path.file_name().ok_or_else(|| err(format!("{flag} {}: not a folder name", path.display())))?;
+    Ok((parent, name.to_string_lossy().into_owned()))
 }
 
 /// Fills a new folder `parent/name` through `fill` and moves it into place only when `fill` succeeded
