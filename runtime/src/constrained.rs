@@ -9,12 +9,10 @@
 //! that does not parse is an error.
 
 use crate::error::{Result, RuntimeError};
+use crate::runtime::{Runtime, MAX_INT_DIGITS};
 use crate::sampling::{best, normalise, pick};
 use crate::step::Decoding;
-use crate::Runtime;
 
-/// Longest integer a constrained answer may write (coordinates, seconds).
-pub(crate) const MAX_INT_DIGITS: usize = 6;
 /// The longest `wait` a constrained answer may ask for.
 const MAX_WAIT_SECONDS: u64 = 60;
 

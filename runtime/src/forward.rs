@@ -9,30 +9,8 @@
 
 use std::cell::RefCell;
 
-use askgui_model::text::KvCache;
-
 use crate::error::Result;
-use crate::packed::Packed;
-use crate::prompt::PreparedImage;
-
-/// One sequence's share of a forward.
-pub struct Item {
-    /// New tokens, run after what `cache` holds.
-    pub ids: Vec<u32>,
-    /// Their M-RoPE positions.
-    pub positions: Vec<[u32; 3]>,
-    /// The images whose `<|image_pad|>` runs are in `ids`, in order, with their content hashes.
-    pub images: Vec<PreparedImage>,
-    pub cache: KvCache,
-    /// How many of the last rows need logits (1 for the next token; more to score a continuation).
-    pub logits_rows: usize,
-}
-
-/// The answer to one [`Item`]: its cache with the new tokens appended, and the logits of its last rows.
-pub struct ItemOut {
-    pub cache: KvCache,
-    pub logits: Vec<Vec<f32>>,
-}
+use crate::packed::{Item, ItemOut, Packed};
 
 /// Runs items for one sequence's decoding.
 pub trait Forward {

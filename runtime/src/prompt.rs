@@ -17,7 +17,7 @@ use askgui_data::{Element, FrameKind, FrameMap, Turn};
 use askgui_model::{load_image, preprocess, ProcessedImage, QwenTokenizer};
 
 use crate::error::{Result, RuntimeError};
-use crate::Runtime;
+use crate::runtime::Runtime;
 
 /// A decoded screenshot and a hash of its content (the key of the preprocessing and vision caches).
 #[derive(Debug, Clone)]

@@ -8,11 +8,12 @@ use askgui_model::mrope_positions;
 use askgui_model::text::KvCache;
 
 use crate::error::{Result, RuntimeError};
-use crate::forward::{Forward, Item, ItemOut};
+use crate::forward::Forward;
+use crate::packed::{Item, ItemOut};
 use crate::prefix_cache::{images_before, prompt_key};
 use crate::prompt::PreparedImage;
+use crate::runtime::Runtime;
 use crate::sampling::log_softmax_at;
-use crate::Runtime;
 
 /// One sequence being decoded: its KV cache, the next M-RoPE position and the logits for the next token.
 /// Its model work goes through a [`Forward`].

@@ -17,9 +17,9 @@ use rand::SeedableRng;
 use crate::error::{Result, RuntimeError};
 use crate::forward::Forward;
 use crate::prompt::Step;
+use crate::runtime::{Runtime, DEFAULT_STEP_TOKENS};
 use crate::sampling::{normalise, pick, sample};
 use crate::sequence::Seq;
-use crate::{Runtime, DEFAULT_STEP_TOKENS};
 
 /// The answer to one step.
 #[derive(Debug, Clone)]

@@ -1,0 +1,130 @@
+//! The runtime's state: the prompt settings, the tokenizer with its stop tokens and the token classes
+//! constrained decoding allows, and the caches, shared by the threads of concurrent jobs. Each stage of
+//! the chain adds its methods in its own file (`prompt`, `step`, `constrained`, `complete`).
+
+use std::sync::Mutex;
+
+use askgui_data::prompt::IM_END;
+use askgui_data::{PromptConfig, PromptFlags};
+use askgui_model::{ImageProcessorConfig, ModelConfig, Qwen2Vl, QwenTokenizer};
+
+use crate::cache::ByteCache;
+use crate::error::{Result, RuntimeError};
+use crate::prefix_cache::PrefixCache;
+
+/// The prefix cache's size when nothing says otherwise.
+pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 256 << 20;
+
+/// Answer length of an agent step when the options do not say.
+pub const DEFAULT_STEP_TOKENS: usize = 128;
+
+/// Longest integer a constrained answer may write (coordinates, seconds).
+pub(crate) const MAX_INT_DIGITS: usize = 6;
+
+/// Everything a step needs besides the model: the prompt settings, the tokenizer with its stop tokens
+/// and the token classes constrained decoding allows, and the caches. Shared by the threads of
+/// concurrent jobs.
+pub struct Runtime {
+    pub(crate) cfg: ModelConfig,
+    pub(crate) prompt: PromptConfig,
+    pub(crate) image_config: ImageProcessorConfig,
+    pub(crate) tokenizer: QwenTokenizer,
+    pub(crate) stop_tokens: Vec<u32>,
+    pub(crate) context_length: usize,
+    /// Per token id: `(value, number of digits)` when its text is one or more ASCII digits.
+    pub(crate) digit_token: Vec<Option<(u64, u32)>>,
+    /// The token that closes a JSON string (`"`).
+    pub(crate) quote_token: Option<u32>,
+    /// Per token id: its text is safe inside a JSON string (no quote, backslash or control character)
+    /// and is not a special token.
+    pub(crate) string_token: Vec<bool>,
+    pub(crate) images: Mutex<ByteCache<u64, std::sync::Arc<askgui_model::ProcessedImage>>>,
+    pub(crate) prefixes: Mutex<PrefixCache>,
+}
+
+impl Runtime {
+    /// The runtime of a loaded model with the prompt settings `prompt`; the pixel bounds are the
+    /// model's image processor's (set them with [`apply_image_bounds`] first), so the frame in the prompt
+    /// is always the size of the image the model sees.
+    pub fn new(model: &Qwen2Vl, prompt: PromptConfig) -> Result<Self> {
+        let tokenizer = model.tokenizer()?;
+        let mut stop_tokens = model.eos_token_ids.clone();
+        if let Some(id) = tokenizer.token_id(IM_END) {
+            if !stop_tokens.contains(&id) {
+                stop_tokens.push(id);
+            }
+        }
+        let vocab = model.cfg.text.vocab_size;
+        let specials = [model.cfg.image_token_id, model.cfg.vision_start_token_id, model.cfg.vision_end_token_id];
+        let (mut digit_token, mut string_token) = (vec![None; vocab], vec![false; vocab]);
+        for id in 0..vocab as u32 {
+            let Ok(text) = tokenizer.decode(&[id], false) else { continue };
+            let special = specials.contains(&id) || stop_tokens.contains(&id) || text.contains("<|");
+            if !text.is_empty() && text.len() <= MAX_INT_DIGITS && text.bytes().all(|b| b.is_ascii_digit()) {
+                digit_token[id as usize] = text.parse().ok().map(|v| (v, text.len() as u32));
+            }
+            string_token[id as usize] = !special
+                && !text.is_empty()
+                && !text.contains('\u{fffd}')
+                && !text.chars().any(|c| c == '"' || c == '\\' || c.is_control());
+        }
+        let quote_token = tokenizer.encode("\"")?.first().copied();
+        let ic = &model.image_config;
+        let prompt = PromptConfig { min_pixels: ic.min_pixels, max_pixels: ic.max_pixels, ..prompt };
+        Ok(Self {
+            cfg: model.cfg.clone(),
+            prompt,
+            image_config: ic.clone(),
+            tokenizer,
+            stop_tokens,
+            context_length: model.cfg.text.max_position_embeddings,
+            digit_token,
+            quote_token,
+            string_token,
+            images: Mutex::new(ByteCache::new()),
+            prefixes: Mutex::new(PrefixCache::new(DEFAULT_PREFIX_CACHE_BYTES)),
+        })
+    }
+
+    /// Sets the prefix cache's size in bytes (0: no reuse).
+    pub fn with_prefix_cache(mut self, bytes: usize) -> Self {
+        self.prefixes = Mutex::new(PrefixCache::new(bytes));
+        self
+    }
+
+    /// The prompt settings every step is built with.
+    pub fn prompt_config(&self) -> &PromptConfig {
+        &self.prompt
+    }
+
+    pub fn tokenizer(&self) -> &QwenTokenizer {
+        &self.tokenizer
+    }
+
+    /// The longest prompt plus answer, in tokens.
+    pub fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    pub(crate) fn check_context(&self, prompt: usize, answer: usize) -> Result<()> {
+        if prompt + answer > self.context_length {
+            return Err(RuntimeError::ContextOverflow { tokens: prompt + answer, limit: self.context_length });
+        }
+        Ok(())
+    }
+}
+
+/// Sets the model's image processor to the pixel bounds `flags` give (unset ones keep the processor's),
+/// refusing bounds that do not fit.
+pub fn apply_image_bounds(model: &mut Qwen2Vl, flags: &PromptFlags) -> Result<()> {
+    let ic = &mut model.image_config;
+    ic.min_pixels = flags.min_pixels.unwrap_or(ic.min_pixels);
+    ic.max_pixels = flags.max_pixels.unwrap_or(ic.max_pixels);
+    if ic.min_pixels > ic.max_pixels {
+        return Err(RuntimeError::BadInput(format!(
+            "min_pixels {} > max_pixels {}: give --min-pixels and --max-pixels that fit",
+            ic.min_pixels, ic.max_pixels
+        )));
+    }
+    Ok(())
+}
