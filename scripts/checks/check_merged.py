@@ -2,9 +2,11 @@
 """Check a checkpoint written by `askgui-train merge` with Hugging Face transformers and PEFT.
 
 Loads the merged folder as a plain `Qwen2_5_VLForConditionalGeneration` / `Qwen2VLForConditionalGeneration`
-(no PEFT), loads the base with the adapter through PEFT (unmerged), runs both on the same prompt with an
-image, and prints the largest logit difference relative to the largest logit magnitude. It fails when that
-exceeds `--rtol` (default 1e-4: both run in f32; merging only changes the summation order).
+(no PEFT) and fails on any entry of transformers' load report (missing, unexpected or mismatched weights,
+or a warning logged while loading). Then loads the base with the adapter through PEFT (unmerged), runs both
+on the same prompt with an image, and prints the largest logit difference relative to the largest logit
+magnitude. It fails when that exceeds `--rtol` (default 1e-4: both run in f32; merging only changes the
+summation order). `scripts/checks/peft_interop.py` runs the same load check on a fresh merge.
 
 The prompt is a `case.safetensors` (input_ids, pixel_values, image_grid_thw), by default the tiny test
 fixture's case. Not run by the tests (it needs torch, transformers 5 and peft):
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -39,6 +42,34 @@ def model_class(ckpt: Path):
 def load(ckpt: Path):
     cls = model_class(ckpt)
     return cls.from_pretrained(str(ckpt), attn_implementation="eager", dtype=torch.float32).eval()
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def load_checked(ckpt: Path):
+    """The merged folder as a plain model, and its load report as counts; raises when transformers reports
+    a missing, unexpected or mismatched weight, or logs a warning while loading (its LOAD REPORT table)."""
+    handler = _Records()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        model, info = model_class(ckpt).from_pretrained(
+            str(ckpt), attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+    finally:
+        logger.removeHandler(handler)
+    report = {k: len(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")}
+    report["warnings"] = len(handler.records)
+    if any(report.values()):
+        logged = [r.getMessage()[:500] for r in handler.records]
+        raise RuntimeError(f"{ckpt}: transformers' load report {report}: {info}; logged {logged}")
+    return model.eval(), report
 
 
 def main() -> int:
@@ -63,10 +94,12 @@ def main() -> int:
         plain = base(**inputs).logits[0].float()
         peft = PeftModel.from_pretrained(base, str(args.adapter)).eval()
         want = peft(**inputs).logits[0].float()
-        got = load(args.merged)(**inputs).logits[0].float()
+        merged, report = load_checked(args.merged)
+        got = merged(**inputs).logits[0].float()
     scale = float(want.abs().max())
     diff = float((got - want).abs().max())
     effect = float((want - plain).abs().max())
+    print(f"load report of the merged folder: {report}")
     print(f"merged (transformers, no PEFT) vs base + adapter (PEFT): max abs diff {diff:.3e}, "
           f"{diff / scale:.3e} of the logit scale {scale:.4f}; the adapter moves logits by {effect:.3e}")
     if effect <= 1e-3 * scale:
