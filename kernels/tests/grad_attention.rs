@@ -6,7 +6,8 @@
 //! f32 gradients of q, k, v against candle's autograd through the reference, and the f64 gradients against
 //! central finite differences. Query rows with no visible key are compared only through their documented
 //! behaviour (exact 0 output, no gradient), since the reference returns an arbitrary finite average there.
-//! In bf16, the op and its backward op against the f32 ones on the same bf16-rounded inputs.
+//! In bf16, the op and its backward op against the f32 ones on the same bf16-rounded inputs. Every
+//! comparison goes through `common::tol` (`REF_ATTN_F32`, `REF_ATTN_F32_GRAD`, `FD`, with their reasons).
 //! Run: `cargo test -p askgui-kernels --test grad_attention -- --nocapture` (prints the measured differences).
 
 mod common;
@@ -16,37 +17,12 @@ use askgui_kernels::ops::attention;
 use askgui_kernels::ops::attention::attention_grads_recomputing_lse;
 use askgui_kernels::{attention_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{bf16, flat};
-
-/// f32 forward tolerance, `tol * (1 + |ref|)`: the reference's f32 softmax and matmul over at most 150
-/// keys round to ~1e-7 relative; the op accumulates in f64 and rounds once.
-const FWD_TOL32: f64 = 1e-5;
-/// f32 gradient tolerance: the reference's autograd goes through an f32 softmax (exp, sum, divide) and
-/// three f32 matmul chains whose rounding (~1e-7 relative each) is amplified by the softmax Jacobian and by
-/// sums over keys and GQA heads with values of a few units; 1e-4 leaves a margin over the measured ~1e-6
-/// while still catching any wrong term (those give errors of order 1e-1).
-const GRAD_TOL32: f64 = 1e-4;
-/// Central finite differences in f64 with step 1e-6: truncation ~1e-12, rounding ~1e-10.
-const FD_STEP: f64 = 1e-6;
-const FD_TOL: f64 = 1e-6;
+use common::tol::{compare_tensors, ensure_close, FD, REF_ATTN_F32, REF_ATTN_F32_GRAD};
+use common::{bf16, central_differences, flat};
 
 /// Values in [-2, 2) so that the softmax is far from uniform.
 fn tensor(dims: &[usize], seed: u64, dtype: DType) -> Result<Tensor> {
     Ok((common::tensor(dims, seed, dtype)? * 2.0)?)
-}
-
-/// Max |a - b|, failing when any element exceeds `tol * (1 + |b|)`.
-fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> Result<f64> {
-    ensure!(a.dims() == b.dims(), "{what}: shapes differ, {:?} vs {:?}", a.dims(), b.dims());
-    let (a, b) = (flat(a)?, flat(b)?);
-    let mut max = 0f64;
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        let d = (x - y).abs();
-        ensure!(d <= tol * (1.0 + y.abs()), "{what}: element {i}: {x} vs {y} (diff {d:e})");
-        max = max.max(d);
-    }
-    eprintln!("{what}: max abs diff {max:.3e}");
-    Ok(max)
 }
 
 /// One test case: sizes, mask, key padding flags `(B, Tk)` if any.
@@ -143,14 +119,14 @@ fn forward_and_gradients_match_reference() -> Result<()> {
         let hidden = flat(&y.broadcast_mul(&(1.0 - &rows)?)?)?;
         ensure!(hidden.iter().all(|&x| x == 0.0), "{}: a row with no visible key is not 0", case.name);
         let (ym, yrm) = (y.broadcast_mul(&rows)?, y_ref.broadcast_mul(&rows)?);
-        assert_close(&format!("{} forward", case.name), &ym, &yrm, FWD_TOL32)?;
+        compare_tensors(&format!("{} forward", case.name), &ym, &yrm, REF_ATTN_F32)?;
 
         let r = tensor(y.dims(), 99, DType::F32)?.broadcast_mul(&rows)?;
         let g = (&y * &r)?.sum_all()?.backward()?;
         let g_ref = (&y_ref * &r)?.sum_all()?.backward()?;
         for (what, t) in [("dq", &qv), ("dk", &kv), ("dv", &vv)] {
             let (Some(a), Some(b)) = (g.get(t), g_ref.get(t)) else { anyhow::bail!("{}: missing {what}", case.name) };
-            assert_close(&format!("{} {what}", case.name), a, b, GRAD_TOL32)?;
+            compare_tensors(&format!("{} {what}", case.name), a, b, REF_ATTN_F32_GRAD)?;
         }
     }
     Ok(())
@@ -209,22 +185,13 @@ fn gradients_match_finite_differences_f64() -> Result<()> {
         let grads = loss(&case, &ts, &r)?.backward()?;
         for (i, what) in ["dq", "dk", "dv"].iter().enumerate() {
             let analytic = flat(grads.get(&ts[i]).ok_or_else(|| anyhow::anyhow!("{}: no {what}", case.name))?)?;
-            let base = flat(&inputs[i])?;
-            let mut max = 0f64;
-            for (j, a) in analytic.iter().enumerate() {
-                let probe = |delta: f64| -> Result<f64> {
-                    let mut v = base.clone();
-                    v[j] += delta;
-                    let mut xs = inputs.to_vec();
-                    xs[i] = Tensor::from_vec(v, inputs[i].dims(), &Device::Cpu)?;
-                    Ok(loss(&case, &xs, &r)?.to_scalar::<f64>()?)
-                };
-                let numeric = (probe(FD_STEP)? - probe(-FD_STEP)?) / (2.0 * FD_STEP);
-                let d = (a - numeric).abs();
-                ensure!(d <= FD_TOL * numeric.abs().max(1.0), "{} {what} element {j}: {a} vs fd {numeric}", case.name);
-                max = max.max(d);
-            }
-            eprintln!("{} {what} {:?}: max |analytic - finite difference| {max:.3e}", case.name, inputs[i].dims());
+            let dims = inputs[i].dims();
+            let numeric = central_differences(&flat(&inputs[i])?, |v| {
+                let mut xs = inputs.to_vec();
+                xs[i] = Tensor::from_vec(v.to_vec(), dims, &Device::Cpu)?;
+                Ok(loss(&case, &xs, &r)?.to_scalar::<f64>()?)
+            })?;
+            ensure_close(&format!("{} {what} vs finite differences", case.name), dims, &analytic, &numeric, FD)?;
         }
     }
     Ok(())

@@ -5,7 +5,8 @@
 //! central finite differences (f64). Frozen inputs must get no `GradStore` entry at all. In bf16, each op's
 //! forward and backward are checked against the same op in f32 on the bf16-rounded inputs
 //! ([`common::bf16`]); the masked cross-entropy is also checked on infinite and NaN logits, against
-//! values derived by hand.
+//! values derived by hand. Every comparison goes through `common::tol` (`REF_F32`, `FD`, `HAND_*`, with
+//! their reasons).
 //! Run: `cargo test -p askgui-kernels --test grad_ops -- --nocapture` (prints the measured differences).
 
 mod common;
@@ -17,32 +18,10 @@ use askgui_kernels::ops::{
 };
 use askgui_kernels::{layer_norm_reference, rms_norm_reference};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{bf16, flat, tensor};
+use common::tol::{compare_tensors, ensure_close, FD, HAND_BF16, HAND_F32, REF_F32};
+use common::{bf16, central_differences, flat, tensor};
 
-/// f32 parity tolerance, `atol + rtol * |ref|`: both sides compute in f32-or-better, and 1e-5 covers the
-/// rounding of sums over a few hundred terms (the op accumulates in f64, the reference in f32).
-const ATOL32: f64 = 1e-5;
-const RTOL32: f64 = 1e-5;
-/// Finite differences in f64: central differences with step 1e-6 have truncation error ~1e-12 and
-/// rounding error ~1e-10 here, so 1e-6 relative (absolute below 1) leaves a wide margin yet catches any
-/// wrong term in a backward formula.
-const FD_STEP: f64 = 1e-6;
-const FD_TOL: f64 = 1e-6;
 const EPS: f64 = 1e-5;
-
-/// Max |a - b|, failing when any element exceeds `atol + rtol * |b|`.
-fn assert_close(what: &str, a: &Tensor, b: &Tensor, atol: f64, rtol: f64) -> Result<f64> {
-    ensure!(a.dims() == b.dims(), "{what}: shapes differ, {:?} vs {:?}", a.dims(), b.dims());
-    let (a, b) = (flat(a)?, flat(b)?);
-    let mut max = 0f64;
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        let d = (x - y).abs();
-        ensure!(d <= atol + rtol * y.abs(), "{what}: element {i}: {x} vs {y} (diff {d:e})");
-        max = max.max(d);
-    }
-    eprintln!("{what}: max abs diff {max:.3e}");
-    Ok(max)
-}
 
 /// A scalar loss `sum(y * r)` with a fixed random `r`, so that every output element has its own weight.
 fn weighted_sum(y: &Tensor, seed: u64) -> Result<Tensor> {
@@ -57,14 +36,14 @@ fn check_against_reference(name: &str, op: &Op<'_>, reference: &Op<'_>, inputs: 
     let vars = inputs.iter().map(|t| Var::from_tensor(t).map_err(Into::into)).collect::<Result<Vec<_>>>()?;
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let (y, y_ref) = (op(&ts)?, reference(&ts)?);
-    assert_close(&format!("{name} forward {:?}", ts[0].dims()), &y, &y_ref, ATOL32, RTOL32)?;
+    compare_tensors(&format!("{name} forward {:?}", ts[0].dims()), &y, &y_ref, REF_F32)?;
     let grads = weighted_sum(&y, 99)?.backward()?;
     let grads_ref = weighted_sum(&y_ref, 99)?.backward()?;
     for (i, t) in ts.iter().enumerate() {
         let (Some(g), Some(g_ref)) = (grads.get(t), grads_ref.get(t)) else {
             anyhow::bail!("{name}: input {i} is missing a gradient")
         };
-        assert_close(&format!("{name} grad[{i}] {:?}", ts[0].dims()), g, g_ref, ATOL32, RTOL32)?;
+        compare_tensors(&format!("{name} grad[{i}] {:?}", ts[0].dims()), g, g_ref, REF_F32)?;
     }
     Ok(())
 }
@@ -77,22 +56,13 @@ fn check_finite_differences(name: &str, op: &Op<'_>, inputs: &[Tensor], check: &
     let loss = |xs: &[Tensor]| -> Result<f64> { Ok(weighted_sum(&op(xs)?, 7)?.to_scalar::<f64>()?) };
     for &i in check {
         let analytic = flat(grads.get(&ts[i]).ok_or_else(|| anyhow::anyhow!("{name}: no gradient for input {i}"))?)?;
-        let base = flat(&inputs[i])?;
-        let mut max = 0f64;
-        for (j, a) in analytic.iter().enumerate() {
-            let probe = |delta: f64| -> Result<f64> {
-                let mut v = base.clone();
-                v[j] += delta;
-                let mut xs = inputs.to_vec();
-                xs[i] = Tensor::from_vec(v, inputs[i].dims(), &Device::Cpu)?;
-                loss(&xs)
-            };
-            let numeric = (probe(FD_STEP)? - probe(-FD_STEP)?) / (2.0 * FD_STEP);
-            let d = (a - numeric).abs();
-            ensure!(d <= FD_TOL * numeric.abs().max(1.0), "{name} input {i} element {j}: {a} vs fd {numeric}");
-            max = max.max(d);
-        }
-        eprintln!("{name} input {i} {:?}: max |analytic - finite difference| {max:.3e}", inputs[i].dims());
+        let dims = inputs[i].dims();
+        let numeric = central_differences(&flat(&inputs[i])?, |v| {
+            let mut xs = inputs.to_vec();
+            xs[i] = Tensor::from_vec(v.to_vec(), dims, &Device::Cpu)?;
+            loss(&xs)
+        })?;
+        ensure_close(&format!("{name} input {i} vs finite differences"), dims, &analytic, &numeric, FD)?;
     }
     Ok(())
 }
@@ -191,11 +161,11 @@ fn frozen_linear_matches_reference_and_finite_differences() -> Result<()> {
         let [x, w] = mk(DType::F32)?;
         let xv = Var::from_tensor(&x)?;
         let (y, y_ref) = (frozen_linear(&xv, &w)?, frozen_linear_reference(&xv, &w)?);
-        assert_close(&format!("frozen_linear forward {dims:?}"), &y, &y_ref, ATOL32, RTOL32)?;
+        compare_tensors(&format!("frozen_linear forward {dims:?}"), &y, &y_ref, REF_F32)?;
         let g = weighted_sum(&y, 8)?.backward()?;
         let g_ref = weighted_sum(&y_ref, 8)?.backward()?;
         let (dx, dx_ref) = (g.get(&xv).unwrap(), g_ref.get(&xv).unwrap());
-        assert_close(&format!("frozen_linear grad x {dims:?}"), dx, dx_ref, ATOL32, RTOL32)?;
+        compare_tensors(&format!("frozen_linear grad x {dims:?}"), dx, dx_ref, REF_F32)?;
         check_finite_differences("frozen_linear", op, &mk(DType::F64)?, &[0])?;
     }
     Ok(())
@@ -219,10 +189,10 @@ fn cross_entropy_matches_reference_and_finite_differences() -> Result<()> {
         let (l, l_ref) = (op(&[lv.as_tensor().clone(), labels.clone(), mask.clone()])?, {
             cross_entropy_masked_reference(&lv, &labels, &mask)?
         });
-        assert_close(&format!("cross_entropy loss ({n}, {v})"), &l, &l_ref, ATOL32, RTOL32)?;
+        compare_tensors(&format!("cross_entropy loss ({n}, {v})"), &l, &l_ref, REF_F32)?;
         let (g, g_ref) = ((l * 1.7)?.backward()?, (l_ref * 1.7)?.backward()?);
         let (d, d_ref) = (g.get(&lv).unwrap(), g_ref.get(&lv).unwrap());
-        assert_close(&format!("cross_entropy grad logits ({n}, {v})"), d, d_ref, ATOL32, RTOL32)?;
+        compare_tensors(&format!("cross_entropy grad logits ({n}, {v})"), d, d_ref, REF_F32)?;
         // Unsupervised rows get an exact zero gradient.
         let rows = d.to_vec2::<f32>()?;
         ensure!(rows[1].iter().all(|&x| x == 0.0), "masked row 1 has a gradient: {:?}", rows[1]);
@@ -259,27 +229,12 @@ fn ce_on(rows: &[[f32; 4]], labels: &[u32], mask: &[f32], dtype: DType) -> Resul
     Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, d))
 }
 
-/// `got` equals `want` where `want` is finite, and is the same infinity or NaN elsewhere. Finite values
-/// within `1e-6 + rtol |want|`: 1e-6 for f32 arithmetic on values below 1, plus `rtol = 2^-8` in bf16
-/// (each output rounded once to 8 significant bits), 0 otherwise.
-fn ensure_values_in(dtype: DType, what: &str, got: &[f64], want: &[f64]) -> Result<()> {
-    let rtol = if dtype == DType::BF16 { 1.0 / 256.0 } else { 0.0 };
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let close = (g - w).abs() <= 1e-6 + rtol * w.abs();
-        let ok = if w.is_nan() {
-            g.is_nan()
-        } else if w.is_infinite() {
-            g == w
-        } else {
-            close
-        };
-        ensure!(ok, "{what}[{i}]: {g} vs {w} (all: {got:?} vs {want:?})");
-    }
-    Ok(())
-}
-
-fn ensure_values(what: &str, got: &[f64], want: &[f64]) -> Result<()> {
-    ensure_values_in(DType::F32, what, got, want)
+/// `ce_on`'s loss and dlogits (`got`) against the values derived by hand, under [`HAND_BF16`] in bf16 and
+/// [`HAND_F32`] otherwise.
+fn ensure_by_hand(label: &str, dtype: DType, got: &(f64, Vec<Vec<f64>>), loss: f64, d: &[[f64; 4]]) -> Result<()> {
+    let tol = if dtype == DType::BF16 { HAND_BF16 } else { HAND_F32 };
+    ensure_close(&format!("{label} {dtype:?} loss"), &[1], &[got.0], &[loss], tol)?;
+    ensure_close(&format!("{label} {dtype:?} dlogits"), &[d.len(), 4], &got.1.concat(), &d.concat(), tol)
 }
 
 /// Rows with `+inf` logits are uniform over them, `-inf` logits have probability 0, and an unsupervised row
@@ -289,13 +244,11 @@ fn ensure_values(what: &str, got: &[f64], want: &[f64]) -> Result<()> {
 fn cross_entropy_with_infinite_logits_follows_the_uniform_softmax() -> Result<()> {
     let (inf, nan) = (f32::INFINITY, f32::NAN);
     let rows = [[inf, 0.0, inf, 1.0], [0.0, -inf, 0.0, -inf], [nan, inf, 3.0, -inf]];
+    let s = 1.5 / 2.0;
+    let want = [[s * 0.5, 0.0, s * -0.5, 0.0], [s * -0.5, 0.0, s * 0.5, 0.0], [0.0; 4]];
     for dtype in [DType::F32, DType::F64, DType::BF16] {
-        let (loss, d) = ce_on(&rows, &[2, 0, 1], &[1.0, 1.0, 0.0], dtype)?;
-        ensure_values_in(dtype, &format!("{dtype:?} loss"), &[loss], &[std::f64::consts::LN_2])?;
-        let s = 1.5 / 2.0;
-        ensure_values_in(dtype, &format!("{dtype:?} d row 0"), &d[0], &[s * 0.5, 0.0, s * -0.5, 0.0])?;
-        ensure_values_in(dtype, &format!("{dtype:?} d row 1"), &d[1], &[s * -0.5, 0.0, s * 0.5, 0.0])?;
-        ensure_values_in(dtype, &format!("{dtype:?} d row 2 (unsupervised)"), &d[2], &[0.0; 4])?;
+        let got = ce_on(&rows, &[2, 0, 1], &[1.0, 1.0, 0.0], dtype)?;
+        ensure_by_hand("infinite logits", dtype, &got, std::f64::consts::LN_2, &want)?;
     }
     Ok(())
 }
@@ -307,35 +260,31 @@ fn cross_entropy_with_infinite_logits_follows_the_uniform_softmax() -> Result<()
 fn cross_entropy_of_an_impossible_label_is_infinite() -> Result<()> {
     let inf = f32::INFINITY;
     let rows = [[inf, 2.0, inf, inf], [1.0, -inf, 1.0, 1.0], [-inf; 4]];
+    let (s, t) = (1.5 / 3.0, 1.0 / 3.0);
+    let want = [[s * t, -s, s * t, s * t], [s * t, -s, s * t, s * t], [0.0; 4]];
     for dtype in [DType::F32, DType::F64, DType::BF16] {
-        let (loss, d) = ce_on(&rows, &[1, 1, 0], &[1.0; 3], dtype)?;
-        ensure_values_in(dtype, &format!("{dtype:?} loss"), &[loss], &[f64::INFINITY])?;
-        let (s, t) = (1.5 / 3.0, 1.0 / 3.0);
-        ensure_values_in(dtype, &format!("{dtype:?} d row 0"), &d[0], &[s * t, -s, s * t, s * t])?;
-        ensure_values_in(dtype, &format!("{dtype:?} d row 1"), &d[1], &[s * t, -s, s * t, s * t])?;
-        ensure_values_in(dtype, &format!("{dtype:?} d row 2 (all -inf)"), &d[2], &[0.0; 4])?;
+        let got = ce_on(&rows, &[1, 1, 0], &[1.0; 3], dtype)?;
+        ensure_by_hand("impossible label", dtype, &got, f64::INFINITY, &want)?;
     }
     // The all-`-inf` row alone: loss `+inf`, gradient 0.
-    let (loss, d) = ce_on(&[[-inf; 4]], &[3], &[1.0], DType::F32)?;
-    ensure_values("all -inf alone", &[loss, d[0][0], d[0][1], d[0][2], d[0][3]], &[f64::INFINITY, 0.0, 0.0, 0.0, 0.0])
+    let got = ce_on(&[[-inf; 4]], &[3], &[1.0], DType::F32)?;
+    ensure_by_hand("all -inf alone", DType::F32, &got, f64::INFINITY, &[[0.0; 4]])
 }
 
-/// A NaN logit in a supervised row makes the loss and that row's gradient NaN; the other rows keep theirs
-/// (uniform over four equal logits: `p = 1/4`, scale `1.5 / 2`). With nothing supervised, infinities and
-/// NaN are never read: loss 0, gradient 0.
+/// A NaN logit in a supervised row makes the loss and that row's gradient NaN (checked as such: a NaN is
+/// no value to compare); the other rows keep theirs (uniform over four equal logits: `p = 1/4`, scale
+/// `1.5 / 2`). With nothing supervised, infinities and NaN are never read: loss 0, gradient 0.
 #[test]
 fn cross_entropy_nan_propagates_and_an_all_masked_batch_stays_zero() -> Result<()> {
     let (inf, nan) = (f32::INFINITY, f32::NAN);
     let (loss, d) = ce_on(&[[0.0, nan, 1.0, 2.0], [0.0; 4]], &[2, 3], &[1.0, 1.0], DType::F32)?;
-    ensure_values("loss", &[loss], &[f64::NAN])?;
-    ensure_values("d row 0", &d[0], &[f64::NAN; 4])?;
+    ensure!(loss.is_nan() && d[0].iter().all(|x| x.is_nan()), "NaN logit: loss {loss}, d row 0 {:?}", d[0]);
     let s = 1.5 / 2.0;
-    ensure_values("d row 1", &d[1], &[s * 0.25, s * 0.25, s * 0.25, s * -0.75])?;
+    ensure_close("NaN logit d row 1", &[4], &d[1], &[s * 0.25, s * 0.25, s * 0.25, s * -0.75], HAND_F32)?;
 
     let rows = [[nan, inf, 0.0, -inf], [-inf; 4], [inf; 4]];
-    let (loss, d) = ce_on(&rows, &[0, 1, 2], &[0.0; 3], DType::F32)?;
-    ensure_values("all masked loss", &[loss], &[0.0])?;
-    ensure_values("all masked gradient", &d.concat(), &[0.0; 12])
+    let got = ce_on(&rows, &[0, 1, 2], &[0.0; 3], DType::F32)?;
+    ensure_by_hand("all masked", DType::F32, &got, 0.0, &[[0.0; 4]; 3])
 }
 
 /// The point of the frozen variants: a frozen weight, even a `Var`, never enters the `GradStore`,
@@ -390,9 +339,9 @@ fn non_contiguous_inputs_are_handled_by_the_wrappers() -> Result<()> {
     let x = xt.t()?;
     ensure!(!x.is_contiguous(), "the test needs a non-contiguous input");
     let y = rms_norm(&x, &w, EPS)?;
-    assert_close("rms_norm forward, transposed x", &y, &rms_norm_reference(&x, &w, EPS)?, ATOL32, RTOL32)?;
+    compare_tensors("rms_norm forward, transposed x", &y, &rms_norm_reference(&x, &w, EPS)?, REF_F32)?;
     let g = weighted_sum(&y, 16)?.backward()?;
     let g_ref = weighted_sum(&rms_norm_reference(&x, &w, EPS)?, 16)?.backward()?;
-    assert_close("rms_norm grad, transposed x", g.get(&xt).unwrap(), g_ref.get(&xt).unwrap(), ATOL32, RTOL32)?;
+    compare_tensors("rms_norm grad, transposed x", g.get(&xt).unwrap(), g_ref.get(&xt).unwrap(), REF_F32)?;
     Ok(())
 }

@@ -4,7 +4,8 @@
 //! `(1, T, D)` and `(T, D)` tables, vision `(P, H, D)` with `(P, 1, D)`, M-RoPE and vision 2D tables built by
 //! the reference table functions): forward vs the reference (f32), gradient vs candle's autograd through
 //! the reference (f32), gradient vs central finite differences (f64), and no `GradStore` entry for the
-//! tables even when they are `Var`s; in bf16, the f32 op on the rounded inputs, rounded once.
+//! tables even when they are `Var`s; in bf16, the f32 op on the rounded inputs, rounded once. Every
+//! comparison goes through `common::tol` (`REF_ROPE_F32`, `FD`, with their reasons).
 //! Run: `cargo test -p askgui-kernels --test grad_rope -- --nocapture`.
 
 mod common;
@@ -14,31 +15,14 @@ use askgui_kernels::ops::rope;
 use askgui_kernels::rope::inv_freq;
 use askgui_kernels::{mrope_cos_sin_reference, rope_reference, vision_rope_cos_sin_reference};
 use candle_core::{DType, Device, Tensor, Var};
-use common::{bf16, flat, tensor};
-
-/// Absolute tolerance of the f32 comparisons: every output is a sum of two products of values below 1 in
-/// magnitude, so f32 rounding (the reference rounds each product, the op rounds once from f64) stays
-/// below 4e-7.
-const TOL32: f64 = 1e-6;
-/// Central differences in f64: the loss is linear in x, so truncation error is zero and only rounding
-/// (~1e-10) remains; 1e-6 relative (absolute below 1) catches any wrong sign or swapped table.
-const FD_STEP: f64 = 1e-6;
-const FD_TOL: f64 = 1e-6;
+use common::tol::{compare_tensors, ensure_close, FD, REF_ROPE_F32};
+use common::{bf16, central_differences, flat, tensor};
 
 /// `(cos, sin)` of random angles in [-3, 3), shape `dims`; the two halves of the last dim get different
 /// angles on purpose, so that a kernel mixing up `cos1`/`cos2` or `sin1`/`sin2` fails.
 fn random_tables(dims: &[usize], seed: u64, dtype: DType) -> Result<(Tensor, Tensor)> {
     let a = (tensor(dims, seed, DType::F64)? * 3.0)?;
     Ok((a.cos()?.to_dtype(dtype)?, a.sin()?.to_dtype(dtype)?))
-}
-
-/// Max |a - b|, failing above `tol`.
-fn max_diff(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> Result<f64> {
-    ensure!(a.dims() == b.dims(), "{what}: shapes differ, {:?} vs {:?}", a.dims(), b.dims());
-    let max = flat(a)?.iter().zip(flat(b)?).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max);
-    eprintln!("{what}: max abs diff {max:.3e}");
-    ensure!(max <= tol, "{what}: max abs diff {max:e} > {tol:e}");
-    Ok(max)
 }
 
 /// `sum(y * r)` with a fixed random `r`: every output element gets its own weight.
@@ -53,11 +37,11 @@ fn check(name: &str, x_dims: &[usize], cos: &Tensor, sin: &Tensor) -> Result<()>
     let x = Var::from_tensor(&tensor(x_dims, 5, DType::F32)?)?;
     let y = rope(&x, &cos32, &sin32)?;
     let y_ref = rope_reference(&x, &cos32, &sin32)?;
-    max_diff(&format!("{label} forward"), &y, &y_ref, TOL32)?;
+    compare_tensors(&format!("{label} forward"), &y, &y_ref, REF_ROPE_F32)?;
     let g = weighted_sum(&y, 9)?.backward()?;
     let g_ref = weighted_sum(&y_ref, 9)?.backward()?;
     let (Some(g), Some(g_ref)) = (g.get(&x), g_ref.get(&x)) else { anyhow::bail!("{label}: no gradient for x") };
-    max_diff(&format!("{label} grad vs autograd"), g, g_ref, TOL32)?;
+    compare_tensors(&format!("{label} grad vs autograd"), g, g_ref, REF_ROPE_F32)?;
 
     // f64 central finite differences of the same loss.
     let (cos64, sin64) = (cos.to_dtype(DType::F64)?, sin.to_dtype(DType::F64)?);
@@ -65,21 +49,8 @@ fn check(name: &str, x_dims: &[usize], cos: &Tensor, sin: &Tensor) -> Result<()>
     let loss = |x: &Tensor| -> Result<f64> { Ok(weighted_sum(&rope(x, &cos64, &sin64)?, 9)?.to_scalar::<f64>()?) };
     let grads = weighted_sum(&rope(&x64, &cos64, &sin64)?, 9)?.backward()?;
     let analytic = flat(grads.get(&x64).ok_or_else(|| anyhow::anyhow!("{label}: no f64 gradient"))?)?;
-    let base = flat(&x64)?;
-    let mut max = 0f64;
-    for (j, a) in analytic.iter().enumerate() {
-        let probe = |delta: f64| -> Result<f64> {
-            let mut v = base.clone();
-            v[j] += delta;
-            loss(&Tensor::from_vec(v, x_dims, &Device::Cpu)?)
-        };
-        let numeric = (probe(FD_STEP)? - probe(-FD_STEP)?) / (2.0 * FD_STEP);
-        let d = (a - numeric).abs();
-        ensure!(d <= FD_TOL * numeric.abs().max(1.0), "{label} element {j}: {a} vs fd {numeric}");
-        max = max.max(d);
-    }
-    eprintln!("{label} f64: max |analytic - finite difference| {max:.3e}");
-    Ok(())
+    let numeric = central_differences(&flat(&x64)?, |v| loss(&Tensor::from_vec(v.to_vec(), x_dims, &Device::Cpu)?))?;
+    ensure_close(&format!("{label} f64 vs finite differences"), x_dims, &analytic, &numeric, FD)
 }
 
 #[test]
@@ -163,11 +134,11 @@ fn non_contiguous_x_is_handled_by_the_wrapper() -> Result<()> {
     ensure!(!x.is_contiguous());
     let (cos, sin) = random_tables(&[2, 1, 5, 10], 22, DType::F32)?;
     let (y, y_ref) = (rope(&x, &cos, &sin)?, rope_reference(&x, &cos, &sin)?);
-    max_diff("non-contiguous x forward", &y, &y_ref, TOL32)?;
+    compare_tensors("non-contiguous x forward", &y, &y_ref, REF_ROPE_F32)?;
     let g = weighted_sum(&y, 5)?.backward()?;
     let g_ref = weighted_sum(&y_ref, 5)?.backward()?;
     let (Some(g), Some(g_ref)) = (g.get(&xv), g_ref.get(&xv)) else { anyhow::bail!("no gradient for x") };
-    max_diff("non-contiguous x grad", g, g_ref, TOL32)?;
+    compare_tensors("non-contiguous x grad", g, g_ref, REF_ROPE_F32)?;
     Ok(())
 }
 

@@ -1,5 +1,5 @@
-//! What the gradient tests share: seeded inputs with no RNG crate (the same numbers on every machine) and
-//! flattening for comparisons.
+//! What the gradient tests share: seeded inputs with no RNG crate (the same numbers on every machine),
+//! flattening for comparisons (all through [`tol`]) and central finite differences.
 #![allow(dead_code)]
 
 pub mod bf16;
@@ -26,4 +26,16 @@ pub fn tensor(dims: &[usize], seed: u64, dtype: DType) -> Result<Tensor> {
 
 pub fn flat(t: &Tensor) -> Result<Vec<f64>> {
     Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+}
+
+/// Central finite differences of `loss` at `base`, one element at a time, with step [`tol::FD_STEP`]:
+/// the reference of the f64 gradient checks (compared under [`tol::FD`]).
+pub fn central_differences(base: &[f64], loss: impl Fn(&[f64]) -> Result<f64>) -> Result<Vec<f64>> {
+    let h = tol::FD_STEP;
+    let probe = |j: usize, delta: f64| -> Result<f64> {
+        let mut v = base.to_vec();
+        v[j] += delta;
+        loss(&v)
+    };
+    (0..base.len()).map(|j| Ok((probe(j, h)? - probe(j, -h)?) / (2.0 * h))).collect()
 }

@@ -13,9 +13,9 @@
 //! ones (`cuda/attention.cu`); the CUDA-core bf16 instances (the fallback on GPUs with less shared memory)
 //! are not reached here.
 //!
-//! Failures are collected over all cases of a test and reported together: per tensor the max abs error
-//! and where (multi-index), the max relative error, the relative L2 error, how many elements are out of
-//! tolerance and the first of them, with the case's shapes. Every comparison line is printed, so a run
+//! Failures are collected over all cases of a test and reported together, each from
+//! `common::tol::compare`: per tensor the max abs error, how many elements are out of tolerance and the
+//! worst of them (multi-index, got, want), with the case's shapes. Every comparison line is printed, so a run
 //! with `--nocapture` is a full accuracy report.
 //!
 //! Run on a GPU machine: `cargo test -p askgui-kernels --features cuda --test cuda attention -- --nocapture`
@@ -32,8 +32,15 @@ use crate::common;
 
 // The tolerances of `tests/common/tol.rs`, whose comments give the reasons (shared with `tests/emu/`).
 use crate::common::tol::{
-    Tol, BF16_ATTN as BF16_FWD, BF16_ATTN_GRAD as BF16_GRAD, F32_ATTN as F32_FWD, F32_ATTN_GRAD as F32_GRAD,
+    compare_tensors, Tol, BF16_ATTN as BF16_FWD, BF16_ATTN_GRAD as BF16_GRAD, F32_ATTN as F32_FWD,
+    F32_ATTN_GRAD as F32_GRAD,
 };
+
+// The backward with the logsumexp recomputed against the one with the forward's saved logsumexp: the same
+// kernels on the same inputs, only the order of the f32 atomics differs (f32: ~1e-7), which in bf16 can
+// flip the final rounding by one bf16 step (2^-8 relative).
+const RECOMPUTED_LSE_F32: Tol = Tol { atol: 1e-5, rtol: 1e-5 };
+const RECOMPUTED_LSE_BF16: Tol = Tol { atol: 1e-2, rtol: 1e-2 };
 
 #[derive(Clone, Debug)]
 enum Mask {
@@ -126,14 +133,6 @@ fn run(c: &Case, xs: &[Tensor; 4], dtype: DType, device: &Device) -> Result<Run>
     Ok(Run { out: out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?, grads })
 }
 
-/// Compares `got` with `want` element-wise through the one helper of `tests/common/tol.rs`; returns its
-/// failure report if any element is out of tolerance or not finite.
-fn compare(label: &str, got: &Tensor, want: &Tensor, tol: Tol) -> Result<Option<String>> {
-    ensure!(got.dims() == want.dims(), "{label}: shapes differ, {:?} vs {:?}", got.dims(), want.dims());
-    let (g, w) = (common::flat(got)?, common::flat(want)?);
-    Ok(common::tol::compare(label, got.dims(), &g, &w, tol).err())
-}
-
 /// Runs every case in f32 and bf16 against the CPU op; fails with all the failures together.
 fn check_cases(test: &str, cases: &[Case]) -> Result<()> {
     let Some(gpu) = crate::cuda_device(test) else { return Ok(()) };
@@ -174,7 +173,7 @@ fn check_cases(test: &str, cases: &[Case]) -> Result<()> {
             let grads = [("dq", 0, grad_tol), ("dk", 1, grad_tol), ("dv", 2, grad_tol)];
             let grads = grads.iter().map(|&(w, i, t)| (w, &got.grads[i], &want.grads[i], t));
             for (what, g, w, tol) in parts.into_iter().chain(grads) {
-                if let Some(f) = compare(&format!("  {label} {what}"), g, w, tol)? {
+                if let Err(f) = compare_tensors(&format!("  {label} {what}"), g, w, tol) {
                     failures.push(format!("{label} ({}): {f}", c.shapes()));
                 }
             }
@@ -257,9 +256,7 @@ fn attention_backward_recomputes_missing_logsumexp() -> Result<()> {
     let scale = 1.0 / (d as f64).sqrt();
     let mask = AttentionMask::BlockDiagonal(&[0, 70, 71, 150]);
     let mut failures = Vec::new();
-    // Same kernels on the same inputs: only the order of the f32 atomics differs (f32: ~1e-7), which in
-    // bf16 can flip the final rounding by one bf16 step (2^-8 relative).
-    for (dtype, tol) in [(DType::F32, Tol { atol: 1e-5, rtol: 1e-5 }), (DType::BF16, Tol { atol: 1e-2, rtol: 1e-2 })] {
+    for (dtype, tol) in [(DType::F32, RECOMPUTED_LSE_F32), (DType::BF16, RECOMPUTED_LSE_BF16)] {
         let x = |dims: &[usize], s| -> Result<Tensor> {
             Ok((common::tensor(dims, s, DType::F32)? * 2.0)?.to_dtype(dtype)?.to_device(&gpu)?)
         };
@@ -273,8 +270,8 @@ fn attention_backward_recomputes_missing_logsumexp() -> Result<()> {
             let Some(saved) = g.get(vars[i].as_tensor()) else { bail!("{test}: no {what}") };
             let cpu = |t: &Tensor| t.to_dtype(DType::F32)?.to_device(&Device::Cpu);
             let label = format!("  {test} {dtype:?} {what}");
-            if let Some(f) = compare(&label, &cpu(&recomputed[i])?, &cpu(saved)?, tol)? {
-                failures.push(f);
+            if let Err(f) = compare_tensors(&label, &cpu(&recomputed[i])?, &cpu(saved)?, tol) {
+                failures.push(f.to_string());
             }
         }
     }

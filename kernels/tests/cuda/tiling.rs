@@ -3,19 +3,35 @@
 //! (1x1 up to 1080x2400 and 3000x200), one at a time and in mixed batches, f32 and bf16, host and
 //! already-uploaded inputs, and the errors.
 //!
-//! Tolerance: the GPU uses the CPU's integer filter taps and the same f32 normalisation, so the design is
-//! bit-exact; the test still accepts a difference of one uint8 level of the resized image (what a
-//! different float rounding order could cost), i.e. `1 / 255 / std[c]` in normalised units (0.0146,
-//! 0.0150, 0.0142 for the CLIP std), and reports how many values were not bit-identical. bf16 adds half an
-//! ulp of bf16 (`2^-8 |ref|`). `grid_thw` must be equal. A failure prints the first mismatches with their
-//! image, patch row, channel and pixel position in the resized image.
+//! Tolerance ([`LEVEL_F32`], [`LEVEL_BF16`]): the GPU uses the CPU's integer filter taps and the same f32
+//! normalisation, so the design is bit-exact; the test still accepts a difference of one uint8 level of
+//! the resized image (what a different float rounding order could cost), i.e. `1 / 255 / std[c]` in
+//! normalised units (0.0146, 0.0150, 0.0142 for the CLIP std), and reports how many values were not
+//! bit-identical. bf16 adds half an ulp of bf16 (`2^-8 |ref|`). `grid_thw` must be equal. Each channel is
+//! compared through `common::tol::compare`; a failure names the worst element with its image, patch row,
+//! channel and pixel position in the resized image.
 //!
 //! Run: `cargo test --release -p askgui-kernels --features cuda --test cuda -- tiling --nocapture`.
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{ensure, Result};
 use askgui_kernels::tiling::cuda::{tile_batch_cuda, tile_batch_cuda_uploaded, upload_images};
 use askgui_kernels::tiling::{tile_batch_reference, BatchPlan, ImageRef, TilingConfig, TilingError};
 use candle_core::{DType, Device, Tensor};
+
+use crate::common::tol::{compare, scan, Tol};
+
+/// f32: one uint8 level of the resized image, plus 1e-4 of it for the f32 rounding of the level itself;
+/// the atol is in units of one level of the channel, see [`channel_tol`].
+const LEVEL_F32: Tol = Tol { atol: 1.0 + 1e-4, rtol: 0.0 };
+/// bf16: the same level, plus half an ulp of bf16 (`2^-8 |ref|`) for the output rounding.
+const LEVEL_BF16: Tol = Tol { atol: 1.0 + 1e-4, rtol: 1.0 / 256.0 };
+
+/// [`LEVEL_F32`] or [`LEVEL_BF16`] for the channel of standard deviation `std`: the atol scaled to one
+/// level, `1 / 255 / std`, computed in f32 (as the level was before this check went through `compare`).
+fn channel_tol(std: f32, bf16: bool) -> Tol {
+    let t = if bf16 { LEVEL_BF16 } else { LEVEL_F32 };
+    Tol { atol: f64::from(1.0 / 255.0 / std * t.atol as f32), rtol: t.rtol }
+}
 
 /// A test image: RGB8, row-major.
 struct Img {
@@ -91,64 +107,51 @@ fn default_max_cfg() -> TilingConfig {
     TilingConfig::with_pixels(56 * 56, 12_845_056)
 }
 
-/// Compares GPU `pixel_values` with the CPU's, value by value, in units of one uint8 level.
-fn compare(what: &str, imgs: &[&Img], cfg: &TilingConfig, got: &[f32], want: &[f32], bf16: bool) -> Result<()> {
+/// Compares GPU `pixel_values` with the CPU's, channel by channel, under [`channel_tol`].
+fn compare_values(what: &str, imgs: &[&Img], cfg: &TilingConfig, got: &[f32], want: &[f32], bf16: bool) -> Result<()> {
     ensure!(got.len() == want.len(), "{what}: GPU gave {} values, CPU {}", got.len(), want.len());
     let geo = cfg.geometry;
-    let (p, tp, m) = (geo.patch_size, geo.temporal_patch_size, geo.merge_size);
-    let dim = geo.patch_dim();
-    let level: Vec<f32> = cfg.std.iter().map(|s| 1.0 / 255.0 / s).collect();
+    let (dim, cs) = (geo.patch_dim(), geo.temporal_patch_size * geo.patch_size * geo.patch_size);
+    let dims = [got.len() / dim, geo.temporal_patch_size, geo.patch_size, geo.patch_size];
+    let exact = got.iter().zip(want).filter(|(g, w)| g.to_bits() == w.to_bits()).count();
+    eprintln!("tiling {what}: {} values, {exact} bit-identical", want.len());
+    let mut failures = Vec::new();
+    for (c, &std) in cfg.std.iter().enumerate() {
+        // Channel c of every patch row: columns c * cs .. (c + 1) * cs.
+        let channel = |v: &[f32]| -> Vec<f64> {
+            v.chunks(dim).flat_map(|row| &row[c * cs..(c + 1) * cs]).map(|&x| f64::from(x)).collect()
+        };
+        let (g, w, tol) = (channel(got), channel(want), channel_tol(std, bf16));
+        if let Err(e) = compare(&format!("tiling {what} channel {c}"), &dims, &g, &w, tol) {
+            let j = scan(&g, &w, tol).worst.unwrap_or(0);
+            failures.push(format!("{e}; {}", locate(imgs, cfg, j / cs * dim + c * cs + j % cs)?));
+        }
+    }
+    ensure!(failures.is_empty(), "{what}: values out of tolerance against the CPU path:\n{}", failures.join("\n"));
+    Ok(())
+}
+
+/// Where value `k` of `pixel_values` comes from: its image, patch row, channel, frame and pixel position
+/// in the resized image.
+fn locate(imgs: &[&Img], cfg: &TilingConfig, k: usize) -> Result<String> {
+    let geo = cfg.geometry;
+    let (p, tp, m, dim) = (geo.patch_size, geo.temporal_patch_size, geo.merge_size, geo.patch_dim());
     let plan = BatchPlan::new(&imgs.iter().map(|i| (i.width, i.height)).collect::<Vec<_>>(), None, cfg)?;
-    // First row of each image, to name a mismatch.
+    // First row of each image.
     let mut starts = vec![0usize];
     for g in &plan.grid_thw {
         starts.push(starts.last().unwrap() + g[1] * g[2]);
     }
-    let (mut exact, mut worst, mut bad) = (0usize, 0f32, Vec::new());
-    for (k, (&g, &w)) in got.iter().zip(want).enumerate() {
-        if g.to_bits() == w.to_bits() {
-            exact += 1;
-            continue;
-        }
-        let col = k % dim;
-        let c = col / (tp * p * p);
-        let diff = (g - w).abs();
-        worst = worst.max(diff / level[c]);
-        let tol = level[c] * (1.0 + 1e-4) + if bf16 { w.abs() / 256.0 } else { 0.0 };
-        if diff.is_nan() || diff > tol {
-            bad.push(k);
-        }
-    }
-    eprintln!(
-        "tiling {what}: {} values, {exact} bit-identical, max diff {worst:.3} levels, {} beyond tolerance",
-        want.len(),
-        bad.len()
-    );
-    if bad.is_empty() {
-        return Ok(());
-    }
-    for &k in bad.iter().take(12) {
-        let (row, col) = (k / dim, k % dim);
-        let img = starts.partition_point(|&s| s <= row) - 1;
-        let [_, _gh, gw] = plan.grid_thw[img];
-        let r = row - starts[img];
-        let (c, t, py, px) = (col / (tp * p * p), col / (p * p) % tp, col / p % p, col % p);
-        let (mw, mh, blk) = (r % m, r / m % m, r / (m * m));
-        let (bh, bw) = (blk / (gw / m), blk % (gw / m));
-        let (y, x) = ((bh * m + mh) * p + py, (bw * m + mw) * p + px);
-        eprintln!(
-            "  image {img} ({}) patch row {r} channel {c} t {t} resized pixel (x {x}, y {y}): GPU {} CPU {} ({:.2} levels)",
-            imgs[img].name,
-            got[k],
-            want[k],
-            (got[k] - want[k]) / level[c]
-        );
-    }
-    bail!(
-        "{what}: {} of {} values differ from the CPU path by more than the tolerance (see above)",
-        bad.len(),
-        want.len()
-    )
+    let (row, col) = (k / dim, k % dim);
+    let img = starts.partition_point(|&s| s <= row) - 1;
+    let [_, _gh, gw] = plan.grid_thw[img];
+    let r = row - starts[img];
+    let (c, t, py, px) = (col / (tp * p * p), col / (p * p) % tp, col / p % p, col % p);
+    let (mw, mh, blk) = (r % m, r / m % m, r / (m * m));
+    let (bh, bw) = (blk / (gw / m), blk % (gw / m));
+    let (y, x) = ((bh * m + mh) * p + py, (bw * m + mw) * p + px);
+    let name = &imgs[img].name;
+    Ok(format!("image {img} ({name}) patch row {r} channel {c} t {t} resized pixel (x {x}, y {y})"))
 }
 
 /// Tiles `imgs` on both paths and compares values and grids; returns the grids.
@@ -175,7 +178,7 @@ fn check_batch(dev: &Device, what: &str, imgs: &[&Img], cfg: &TilingConfig, dtyp
     } else {
         want
     };
-    compare(what, imgs, cfg, &got, &want, dtype == DType::BF16)?;
+    compare_values(what, imgs, cfg, &got, &want, dtype == DType::BF16)?;
     Ok(grid)
 }
 
