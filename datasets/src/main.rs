@@ -39,6 +39,9 @@ enum Command {
         /// Output folder: episodes.jsonl and images/.
         #[arg(long)]
         out: PathBuf,
+        /// Skip and count bad records (truncated, wrong schema, missing image) instead of stopping at the first.
+        #[arg(long)]
+        skip_bad_records: bool,
     },
     /// Make tasks ambiguous the Navi-plus way through an OpenAI-compatible chat endpoint.
     Ambiguate(ambiguate::AmbiguateArgs),
@@ -99,15 +102,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             println!("{} steps, {} ambiguous episodes", r.steps, r.ambiguous);
         }
-        Command::Convert { format, input, out } => {
+        Command::Convert { format, input, out, skip_bad_records } => {
+            let opts = convert::ConvertOptions { skip_bad_records };
             let r = match format {
-                Format::Screenagent => convert::convert_screenagent(&input, &out),
-                Format::AndroidControl => convert::convert_android_control(&input, &out),
-                Format::Mind2web => convert::convert_mind2web(&input, &out),
+                Format::Screenagent => convert::convert_screenagent_with(&input, &out, opts),
+                Format::AndroidControl => convert::convert_android_control_with(&input, &out, opts),
+                Format::Mind2web => convert::convert_mind2web_with(&input, &out, opts),
             }
             .with_context(|| format!("converting {}", input.display()))?;
             for s in &r.skipped {
                 eprintln!("skipped: {s}");
+            }
+            for (reason, n) in &r.skip_counts {
+                println!("skipped {n}: {reason}");
             }
             println!(
                 "{} episodes, {} steps -> {} ({} skipped)",

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use askgui_data::action::{Action, Direction, DoneStatus, Target};
 use askgui_data::convert::{
-    base64_encode, convert_android_control, convert_mind2web, convert_screenagent, key_name, ConvertError,
+    base64_encode, convert_android_control, convert_android_control_with, convert_mind2web, convert_mind2web_with,
+    convert_screenagent, convert_screenagent_with, key_name, ConvertError, ConvertOptions, BAD_RECORD,
 };
 use askgui_data::episode::{load_episodes, LoadedEpisode};
 use askgui_data::validate::validate_file;
@@ -51,6 +52,8 @@ fn screenagent_sample() -> Option<PathBuf> {
     });
     dir.is_dir().then_some(dir)
 }
+
+const SKIP_BAD: ConvertOptions = ConvertOptions { skip_bad_records: true };
 
 fn read_json(path: &Path) -> Result<Value> {
     serde_json::from_str(&fs::read_to_string(path)?).with_context(|| path.display().to_string())
@@ -187,7 +190,13 @@ fn screenagent_bad_input_says_what_is_wrong() -> Result<()> {
                     {"action_type": "MouseAction", "mouse_action_type": "scroll_up", "scroll_repeat": 3}]});
     fs::write(s.join("2024-01-01_00-00-01-000000_translate.json"), good.to_string())?;
     let out = dir.join("out");
-    let report = convert_screenagent(&dir, &out)?;
+    // By default the truncated record stops the conversion, naming its file.
+    let e = convert_screenagent(&dir, &out).unwrap_err();
+    assert!(matches!(e, ConvertError::BadRecord { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("sess1/2024-01-01_00-00-00-000000_translate.json") && msg.contains("not valid JSON"), "{msg}");
+    assert!(msg.contains("--skip-bad-records"), "{msg}");
+    let report = convert_screenagent_with(&dir, &out, SKIP_BAD)?;
     let eps = assert_valid(&out)?;
     assert_eq!((report.episodes, report.steps), (1, 5));
     let acts: Vec<&Action> = eps[0].episode.steps.iter().map(|s| &s.action).collect();
@@ -216,6 +225,7 @@ fn screenagent_bad_input_says_what_is_wrong() -> Result<()> {
         "{:?}",
         report.skipped
     );
+    assert_eq!(report.skip_counts.get(BAD_RECORD), Some(&2), "{:?}", report.skip_counts);
     fs::remove_dir_all(&dir)?;
     Ok(())
 }
@@ -254,7 +264,9 @@ fn android_control_converts_and_validates() -> Result<()> {
     let input = dir.join("android.jsonl");
     fs::write(&input, lines.join("\n") + "\n")?;
     let out = dir.join("out");
-    let report = convert_android_control(&input, &out)?;
+    let e = convert_android_control(&input, &out).unwrap_err().to_string();
+    assert!(e.contains("android.jsonl line 3") && e.contains("not valid JSON"), "{e}");
+    let report = convert_android_control_with(&input, &out, SKIP_BAD)?;
     let eps = assert_valid(&out)?;
     assert_eq!(report.episodes, 3, "{:#?}", report.skipped);
     assert_eq!(
@@ -307,6 +319,7 @@ fn android_control_converts_and_validates() -> Result<()> {
         "{skipped}"
     );
     assert!(skipped.contains("line 5 (episode 10) action 0") && skipped.contains("teleport"), "{skipped}");
+    assert_eq!(report.skip_counts.get(BAD_RECORD), Some(&3), "{:?}", report.skip_counts);
     fs::remove_dir_all(&dir)?;
     Ok(())
 }
@@ -316,7 +329,7 @@ fn android_control_with_nothing_usable_is_an_error() -> Result<()> {
     let dir = temp_dir("android-bad");
     let input = dir.join("a.jsonl");
     fs::write(&input, "{\"episode_id\": 1, \"goal\": \"g\", \"screenshots\": [\"nope\"], \"actions\": []}\n")?;
-    let e = convert_android_control(&input, &dir.join("out")).unwrap_err();
+    let e = convert_android_control_with(&input, &dir.join("out"), SKIP_BAD).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, ConvertError::NothingConverted { count: 1, .. }), "{msg}");
     assert!(msg.contains("line 1") && msg.contains("0 actions"), "{msg}");
@@ -366,7 +379,9 @@ fn mind2web_converts_and_validates() -> Result<()> {
     let input = dir.join("m2w.jsonl");
     fs::write(&input, lines.join("\n"))?;
     let out = dir.join("out");
-    let report = convert_mind2web(&input, &out)?;
+    let e = convert_mind2web(&input, &out).unwrap_err().to_string();
+    assert!(e.contains("m2w.jsonl line 7") && e.contains("not valid JSON"), "{e}");
+    let report = convert_mind2web_with(&input, &out, SKIP_BAD)?;
     let eps = assert_valid(&out)?;
     assert_eq!(report.episodes, 2, "{:#?}", report.skipped);
     let t1 = &eps[0];
@@ -400,10 +415,117 @@ fn mind2web_converts_and_validates() -> Result<()> {
     assert_eq!(eps[1].episode.steps.len(), 1);
     let skipped = report.skipped.join("\n");
     assert!(
-        skipped.contains("mind2web task t2") && skipped.contains("line 6") && skipped.contains("no positive candidate"),
+        skipped.contains("m2w.jsonl task t2")
+            && skipped.contains("line 6")
+            && skipped.contains("no positive candidate"),
         "{skipped}"
     );
     assert!(skipped.contains("line 7") && skipped.contains("not valid JSON"), "{skipped}");
     fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A test-split record (`<timestamp>.json`, English-only fields) as the public repository writes them.
+fn screenagent_test_record(image: &str, status: &str, current: &str, actions: Value) -> Value {
+    json!({"task_prompt": "Open the file menu", "send_prompt": "...", "status": status,
+           "LLM_response": "...", "LLM_response_editer": "...", "video_height": 30, "video_width": 40,
+           "saved_image_name": image, "current_task": current, "actions": actions})
+}
+
+#[test]
+fn screenagent_test_layout_converts_and_counts_its_skips() -> Result<()> {
+    let dir = temp_dir("screenagent-test-layout");
+    let s = dir.join("abc123");
+    fs::create_dir_all(s.join("images"))?;
+    for (i, name) in ["2024-01-13_21-34-31-146954.png", "2024-01-13_21-37-47-367890.png"].iter().enumerate() {
+        fs::write(s.join("images").join(name), png(40, 30, [i as u8 * 100, 0, 0]))?;
+    }
+    let mouse = |kind: &str, x: i32, y: i32| {
+        json!({"action_type": "MouseAction", "mouse_action_type": kind, "mouse_button": "left",
+               "mouse_position": {"width": x, "height": y}})
+    };
+    let plan = screenagent_test_record(
+        "2024-01-13_21-34-31-146954.png",
+        "planning",
+        "Open the menu",
+        json!([{"action_type": "PlanAction", "element": "Open the menu"}]),
+    );
+    let act = screenagent_test_record(
+        "2024-01-13_21-34-31-146954.png",
+        "acting",
+        "Open the menu",
+        json!([mouse("down", 3, 4), mouse("up", 3, 4), mouse("down", 5, 6), mouse("up", 20, 25),
+               {"action_type": "MouseAction", "mouse_action_type": "move", "mouse_position": {"width": 1, "height": 1}}]),
+    );
+    let eval = screenagent_test_record(
+        "2024-01-13_21-37-47-367890.png",
+        "evaluating",
+        "Open the menu",
+        json!([{"action_type": "EvaluateSubTaskAction", "situation": "sub_task_success"}]),
+    );
+    fs::write(s.join("2024-01-13_21-34-31-146954.json"), plan.to_string())?;
+    fs::write(s.join("2024-01-13_21-35-00-000000.json"), act.to_string())?;
+    fs::write(s.join("2024-01-13_21-37-47-367890.json"), eval.to_string())?;
+    fs::write(s.join("2024-01-13_21-37-47-367890_neg_eval.json"), eval.to_string())?;
+    fs::write(s.join(".DS_Store"), "not a record")?;
+    // A session whose screenshots were not published.
+    let bare = dir.join("noimages9");
+    fs::create_dir_all(&bare)?;
+    fs::write(bare.join("2024-01-13_22-00-00-000000.json"), act.to_string())?;
+
+    let out = dir.join("out");
+    let report = convert_screenagent(&dir, &out)?;
+    let eps = assert_valid(&out)?;
+    assert_eq!((report.episodes, report.steps), (1, 3), "{:#?}", report.skipped);
+    let ep = &eps[0].episode;
+    assert_eq!((ep.id.as_str(), ep.task.as_str()), ("screenagent-abc123", "Open the file menu"));
+    let acts: Vec<&Action> = ep.steps.iter().map(|s| &s.action).collect();
+    let drag = Action::Drag(askgui_data::action::Segment { x1: 5, y1: 6, x2: 20, y2: 25 });
+    assert_eq!(acts, [&Action::Click(Target::point(3, 4)), &drag, &Action::Done { status: DoneStatus::Success }]);
+    assert_eq!(ep.steps[0].instruction.as_deref(), Some("Open the menu"), "the test split's current_task");
+    let counts: Vec<(&str, usize)> = report.skip_counts.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    assert_eq!(
+        counts,
+        [
+            ("hover (mouse move without a drag)", 1),
+            ("negative example record (_neg_eval)", 1),
+            ("planning or evaluation action", 2),
+            ("session without screenshots", 1),
+        ]
+    );
+    let bare_line = report.skipped.iter().find(|l| l.contains("no screenshots")).expect("bare session reported");
+    assert!(bare_line.contains(&bare.display().to_string()), "{bare_line}");
+    fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// Every split of the public repository that is present (train `_translate.json`, test `<timestamp>.json`):
+/// each converts with no bad record, validates, and has one episode per session with screenshots.
+#[test]
+fn screenagent_published_splits_convert_and_validate() -> Result<()> {
+    let Some(root) = std::env::var_os("ASKGUI_SCREENAGENT_REPO").map(PathBuf::from).filter(|p| p.is_dir()) else {
+        eprintln!("SKIPPED screenagent split test: set ASKGUI_SCREENAGENT_REPO to a ScreenAgent checkout");
+        return Ok(());
+    };
+    for split in ["train", "test"] {
+        let input = root.join("data/ScreenAgent").join(split);
+        if !input.is_dir() {
+            eprintln!("SKIPPED screenagent {split} split: no {}", input.display());
+            continue;
+        }
+        let out = temp_dir(&format!("screenagent-{split}"));
+        let report = convert_screenagent(&input, &out)?;
+        let episodes = assert_valid(&out)?;
+        let with_images = fs::read_dir(&input)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.join("images").is_dir())
+            .count();
+        assert_eq!(episodes.len(), with_images, "{split}: {:?}", report.skip_counts);
+        assert!(!report.skip_counts.contains_key(BAD_RECORD), "{split}: {:?}", report.skip_counts);
+        let negatives: usize =
+            report.skip_counts.iter().filter(|(k, _)| k.starts_with("negative")).map(|(_, v)| v).sum();
+        assert!(negatives > 0, "{split}: the published splits hold _neg_ records");
+        fs::remove_dir_all(&out)?;
+    }
     Ok(())
 }

@@ -41,19 +41,28 @@ fn android_actions(a: &Value, screen: Screen) -> Result<Vec<Action>, String> {
     })
 }
 
+/// [`convert_android_control_with`] with the default options (a bad record is an error).
 pub fn convert_android_control(input: &Path, out: &Path) -> Result<ConvertReport, ConvertError> {
+    convert_android_control_with(input, out, ConvertOptions::default())
+}
+
+pub fn convert_android_control_with(
+    input: &Path,
+    out: &Path,
+    opts: ConvertOptions,
+) -> Result<ConvertReport, ConvertError> {
     let base = input.parent().map(Path::to_path_buf).unwrap_or_default();
     info!("AndroidControl: episodes from {}", input.display());
-    let mut o = Output::create(out)?;
+    let mut o = Output::create(out, opts)?;
     for_each_line(input, |line, _, raw| {
-        let at = format!("androidcontrol line {line}");
+        let at = format!("androidcontrol {} line {line}", input.display());
         match android_episode(raw, &base, &at, &mut o) {
             Ok(Some(ep)) => {
                 let at = format!("{at} (episode {})", ep.id);
-                o.push(ep, &at);
+                o.push(ep, &at)?;
             }
             Ok(None) => {}
-            Err(Fail::Record(why)) => o.skip(format!("{at}: {why}: episode skipped")),
+            Err(Fail::Record(why)) => o.bad(&at, &why, "episode skipped")?,
             Err(Fail::Io(e)) => return Err(e),
         }
         Ok(())
@@ -121,9 +130,8 @@ fn android_episode(raw: &str, base: &Path, at: &str, o: &mut Output) -> Result<O
         let acts = match converted {
             Ok(acts) => acts,
             Err(e) => {
-                o.skip(format!(
-                    "{at} action {i}: {e}: the episode is cut before it (later screenshots assume it happened)"
-                ));
+                let then = "the episode is cut before it (later screenshots assume it happened)";
+                o.bad(&format!("{at} action {i}"), &e, then)?;
                 break;
             }
         };
@@ -142,7 +150,7 @@ fn android_episode(raw: &str, base: &Path, at: &str, o: &mut Output) -> Result<O
     }
     let actionable = steps.iter().any(|s| !matches!(s.action, Action::Done { .. }));
     let Some(screen) = screen.filter(|_| actionable) else {
-        o.skip(format!("{at}: no convertible action: episode skipped"));
+        o.skip("no convertible action", format!("{at}: no convertible action: episode skipped"));
         return Ok(None);
     };
     let id = format!("androidcontrol-{id}");

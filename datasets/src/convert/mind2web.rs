@@ -63,10 +63,15 @@ fn m2w_row(line: usize, v: &Value, base: &Path) -> Result<M2wRow, String> {
 /// Where a row is: (`target_action_index`, line number, byte offset).
 type RowRef = (i64, usize, u64);
 
+/// [`convert_mind2web_with`] with the default options (a bad record is an error).
 pub fn convert_mind2web(input: &Path, out: &Path) -> Result<ConvertReport, ConvertError> {
+    convert_mind2web_with(input, out, ConvertOptions::default())
+}
+
+pub fn convert_mind2web_with(input: &Path, out: &Path, opts: ConvertOptions) -> Result<ConvertReport, ConvertError> {
     let base = input.parent().map(Path::to_path_buf).unwrap_or_default();
     info!("Multimodal-Mind2Web: action rows from {}", input.display());
-    let mut o = Output::create(out)?;
+    let mut o = Output::create(out, opts)?;
     // First pass, light: tasks in order of first appearance, with (index, line, offset) of their rows.
     let mut tasks: Vec<(String, String, Vec<RowRef>)> = vec![];
     let mut by_id: HashMap<String, usize> = HashMap::new();
@@ -74,8 +79,8 @@ pub fn convert_mind2web(input: &Path, out: &Path) -> Result<ConvertReport, Conve
         let v: Value = match serde_json::from_str(raw) {
             Ok(v) => v,
             Err(e) => {
-                o.skip(format!("mind2web line {line}: not valid JSON ({e}): row skipped"));
-                return Ok(());
+                let at = format!("mind2web {} line {line}", input.display());
+                return o.bad(&at, &format!("not valid JSON ({e})"), "row skipped");
             }
         };
         match (id_of(&v, "annotation_id"), text(&v, "confirmed_task")) {
@@ -87,7 +92,9 @@ pub fn convert_mind2web(input: &Path, out: &Path) -> Result<ConvertReport, Conve
                 let index = num(&v, "target_action_index").map(|i| i as i64).unwrap_or(i64::MAX);
                 tasks[k].2.push((index, line, offset));
             }
-            (Err(e), _) | (_, Err(e)) => o.skip(format!("mind2web line {line}: {e}: row skipped")),
+            (Err(e), _) | (_, Err(e)) => {
+                o.bad(&format!("mind2web {} line {line}", input.display()), &e, "row skipped")?
+            }
         }
         Ok(())
     })?;
@@ -101,9 +108,9 @@ pub fn convert_mind2web(input: &Path, out: &Path) -> Result<ConvertReport, Conve
             let v = serde_json::from_str(&raw).map_err(|e| format!("not valid JSON ({e})"));
             parsed.push(v.and_then(|v| m2w_row(line, &v, &base)).map_err(|e| format!("line {line}: {e}")));
         }
-        let at = format!("mind2web task {aid}");
+        let at = format!("mind2web {} task {aid}", input.display());
         if let Some(ep) = m2w_episode(&aid, task, parsed, &at, &mut o)? {
-            o.push(ep, &at);
+            o.push(ep, &at)?;
         }
     }
     o.finish(input)
@@ -122,7 +129,11 @@ fn m2w_episode(
         match r {
             Ok(r) => good.push(r),
             Err(e) => {
-                o.skip(format!("{at} action {k}: {e}: the episode is cut before it (later pages assume it happened)"));
+                o.bad(
+                    &format!("{at} action {k}"),
+                    &e,
+                    "the episode is cut before it (later pages assume it happened)",
+                )?;
                 break;
             }
         }
@@ -138,10 +149,9 @@ fn m2w_episode(
             (r.element.bbox[0].max(0), r.element.bbox[1].max(0), r.element.bbox[2], r.element.bbox[3]);
         let (x2, y2) = (x2.min(r.size.width as i32), y2.min(r.size.height as i32));
         if x1 >= x2 || y1 >= y2 {
-            o.skip(format!(
-                "{at} line {}: target box {:?} is outside the {}x{} screenshot: the episode is cut before it",
-                r.line, r.element.bbox, r.size.width, r.size.height
-            ));
+            let why =
+                format!("target box {:?} is outside the {}x{} screenshot", r.element.bbox, r.size.width, r.size.height);
+            o.bad(&format!("{at} line {}", r.line), &why, "the episode is cut before it")?;
             break;
         }
         let (bytes, ext) = if r.size == screen {
@@ -150,7 +160,7 @@ fn m2w_episode(
             match pad_png(&r.bytes, screen) {
                 Ok(b) => (b, "png"),
                 Err(e) => {
-                    o.skip(format!("{at} line {}: {e}: the episode is cut before it", r.line));
+                    o.bad(&format!("{at} line {}", r.line), &e, "the episode is cut before it")?;
                     break;
                 }
             }
@@ -168,7 +178,8 @@ fn m2w_episode(
                 vec![click]
             }
             (op, _) => {
-                o.skip(format!("{at} line {}: unknown operation {op:?}: the episode is cut before it", r.line));
+                let why = format!("unknown operation {op:?}");
+                o.bad(&format!("{at} line {}", r.line), &why, "the episode is cut before it")?;
                 break;
             }
         };
@@ -179,7 +190,7 @@ fn m2w_episode(
         }
     }
     if steps.is_empty() {
-        o.skip(format!("{at}: no convertible action: task skipped"));
+        o.skip("no convertible action", format!("{at}: no convertible action: task skipped"));
         return Ok(None);
     }
     let id = format!("mind2web-{aid}");

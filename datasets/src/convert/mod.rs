@@ -1,14 +1,16 @@
 //! Converters from public GUI-agent datasets to our episode JSONL: ScreenAgent, AndroidControl and Multimodal-Mind2Web.
 //!
 //! Each converter writes `out/episodes.jsonl` and the screenshots under `out/images/`, with paths in the JSONL relative
-//! to `out` and coordinates in pixels of the screenshot that is written. A record that cannot be converted is skipped
-//! with one line in [`ConvertReport::skipped`] saying which record and why; nothing real is dropped silently. Every
-//! episode is checked with [`crate::validate::check_episode`] before it is written, so the output validates with zero
-//! problems. Ids are prefixed with the source (`screenagent-`, `androidcontrol-`, `mind2web-`) so converted sets can be
+//! to `out` and coordinates in pixels of the screenshot that is written. Two kinds of skips: what the dataset holds but
+//! our schema has no place for (planning records, hovers, sessions without screenshots) is skipped and counted; a bad
+//! record (truncated, wrong schema, missing image, a point off the screen) is an error naming the file and record, or,
+//! with [`ConvertOptions::skip_bad_records`], a skip. Every skip is one line in [`ConvertReport::skipped`] and counted by
+//! reason in [`ConvertReport::skip_counts`]; nothing is dropped silently. Every episode is checked with
+//! [`crate::validate::check_episode`] before it is written, so the output validates with zero problems. Ids are prefixed with the source (`screenagent-`, `androidcontrol-`, `mind2web-`) so converted sets can be
 //! mixed.
 //!
 //! One file per source: [`screenagent`], [`android_control`], [`mind2web`]; this file holds what they share.
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
 use std::io::{BufRead, BufReader, Cursor, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -26,9 +28,21 @@ use crate::validate::check_episode;
 pub struct ConvertReport {
     pub episodes: usize,
     pub steps: usize,
-    /// One line per skipped record or action (plus, for ScreenAgent, one summary line counting the
-    /// planning and evaluation records, which are not GUI actions).
+    /// One line per skipped record or action, naming it and saying why (plus, for ScreenAgent, one summary
+    /// line for the planning and evaluation actions, which are not GUI actions).
     pub skipped: Vec<String>,
+    /// How many records or actions were skipped, by reason ([`BAD_RECORD`] for the bad ones).
+    pub skip_counts: BTreeMap<String, usize>,
+}
+
+/// The reason under which bad records are counted when they are skipped.
+pub const BAD_RECORD: &str = "bad record";
+
+/// How a conversion treats bad input.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConvertOptions {
+    /// Skip (and report) a bad record instead of stopping at it with an error.
+    pub skip_bad_records: bool,
 }
 
 #[derive(Debug, Error)]
@@ -36,12 +50,14 @@ pub enum ConvertError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error(
-        "{input}: no ScreenAgent step records (`<session>/<timestamp>_translate.json`) found: \
-         pass the folder of session folders, or one session folder"
+        "{input}: no ScreenAgent step records (`<session>/<timestamp>_translate.json` of the train split or \
+         `<session>/<timestamp>.json` of the test split) found: pass the folder of session folders, or one session folder"
     )]
     NoScreenAgentRecords { input: PathBuf },
     #[error("{input}: nothing could be converted ({count} records skipped); the first reason: {first}")]
     NothingConverted { input: PathBuf, count: usize, first: String },
+    #[error("{at}: {why} (fix or remove that record, or pass --skip-bad-records to skip it and go on)")]
+    BadRecord { at: String, why: String },
     #[error("writing the episodes: {0}")]
     Write(#[from] EpisodeError),
 }
@@ -214,21 +230,38 @@ fn step(screenshot: &str, action: Action) -> Step {
 /// The output folder: images are written as they come, episodes are checked and written at the end.
 struct Output {
     dir: PathBuf,
+    opts: ConvertOptions,
     episodes: Vec<Episode>,
     images: HashSet<String>,
     report: ConvertReport,
 }
 
 impl Output {
-    fn create(dir: &Path) -> Result<Self, ConvertError> {
+    fn create(dir: &Path, opts: ConvertOptions) -> Result<Self, ConvertError> {
         let images = dir.join("images");
         fs::create_dir_all(&images).map_err(io_err(&images))?;
-        Ok(Self { dir: dir.to_path_buf(), episodes: vec![], images: HashSet::new(), report: Default::default() })
+        let report = Default::default();
+        Ok(Self { dir: dir.to_path_buf(), opts, episodes: vec![], images: HashSet::new(), report })
     }
 
-    fn skip(&mut self, line: String) {
+    /// Skips something the dataset holds on purpose but our schema has no place for, counted under `reason`.
+    fn skip(&mut self, reason: &str, line: String) {
+        self.skip_n(reason, 1, line);
+    }
+
+    fn skip_n(&mut self, reason: &str, n: usize, line: String) {
         debug!("skipped: {line}");
         self.report.skipped.push(line);
+        *self.report.skip_counts.entry(reason.to_string()).or_default() += n;
+    }
+
+    /// A bad record at `at`: an error, or a skip under [`BAD_RECORD`] with `--skip-bad-records`.
+    fn bad(&mut self, at: &str, why: &str, then: &str) -> Result<(), ConvertError> {
+        if !self.opts.skip_bad_records {
+            return Err(ConvertError::BadRecord { at: at.to_string(), why: why.to_string() });
+        }
+        self.skip(BAD_RECORD, format!("{at}: {why}: {then}"));
+        Ok(())
     }
 
     /// Writes an image at `rel` (relative to the output folder) once.
@@ -251,8 +284,8 @@ impl Output {
         Ok(())
     }
 
-    /// Keeps the episode if it passes validation, else reports why not.
-    fn push(&mut self, ep: Episode, source: &str) {
+    /// Keeps the episode if it passes validation; one that does not is a bad record.
+    fn push(&mut self, ep: Episode, source: &str) -> Result<(), ConvertError> {
         let mut problems = vec![];
         if self.episodes.iter().any(|e| e.id == ep.id) {
             problems.push(format!("duplicate episode id `{}`", ep.id));
@@ -265,9 +298,10 @@ impl Output {
         });
         if problems.is_empty() {
             self.episodes.push(ep);
-        } else {
-            self.skip(format!("{source}: episode dropped, it would not validate: {}", problems.join("; ")));
+            return Ok(());
         }
+        let why = format!("the episode would not validate: {}", problems.join("; "));
+        self.bad(source, &why, "episode dropped")
     }
 
     fn finish(mut self, input: &Path) -> Result<ConvertReport, ConvertError> {
@@ -337,9 +371,9 @@ mod android_control;
 mod mind2web;
 mod screenagent;
 
-pub use android_control::convert_android_control;
-pub use mind2web::convert_mind2web;
-pub use screenagent::{convert_screenagent, key_name};
+pub use android_control::{convert_android_control, convert_android_control_with};
+pub use mind2web::{convert_mind2web, convert_mind2web_with};
+pub use screenagent::{convert_screenagent, convert_screenagent_with, key_name};
 
 #[cfg(test)]
 mod tests {
