@@ -2,10 +2,13 @@
 //!
 //! Key choice: with `constrain` (the default) the arguments follow the action's schema as a template:
 //! literal keys are forced, integers may only use digit tokens and stay inside the model frame
-//! (coordinates) or 0..=60 (`wait` seconds), strings may not contain a quote or a backslash, enums are
-//! scored like names; the answer therefore always parses. `max_tokens` bounds the model's free choices
-//! (digits and string contents); the template's keys and brackets are always written, so a constrained
-//! answer can exceed it by those. Without `constrain` the model writes the rest freely and an answer
+//! (coordinates) or 0..=60 (`wait` seconds), strings may not contain a quote or a backslash, enums,
+//! element ids and optional fields are scored like names (the model's probability of each continuation);
+//! the answer therefore always parses and validates. An element target is one of the ids the prompt
+//! lists; without a screenshot a click-like action targets an element (text-only front ends). An `ask`
+//! may carry up to [`MAX_ASK_OPTIONS`] options and its kind. `max_tokens` bounds the answer: once it is
+//! spent, strings and numbers end after their first token and optional fields are left out, but the
+//! required keys and brackets are always written, so a constrained answer can exceed it by those. Without `constrain` the model writes the rest freely and an answer
 //! that does not parse is an error.
 
 use crate::error::{Result, RuntimeError};
@@ -15,6 +18,32 @@ use crate::step::Decoding;
 
 /// The longest `wait` a constrained answer may ask for.
 const MAX_WAIT_SECONDS: u64 = 60;
+/// The most options a constrained `ask` may offer.
+pub const MAX_ASK_OPTIONS: usize = 6;
+
+/// What a constrained answer may refer to.
+pub(crate) struct Schema<'a> {
+    /// The model frame `(width, height)`: coordinates stay inside it.
+    pub(crate) frame: (u32, u32),
+    /// The ids of the elements the prompt lists: an element target is one of them.
+    pub(crate) elements: &'a [String],
+    /// Whether the prompt shows a screenshot (without one, click-like actions target elements).
+    pub(crate) screenshot: bool,
+}
+
+/// `s` as the inside of a JSON string.
+fn json_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
 
 impl Runtime {
     fn force(&self, dec: &mut Decoding, text: &mut String, lit: &str) -> Result<()> {
@@ -94,66 +123,152 @@ impl Runtime {
         Ok(())
     }
 
-    /// The action's arguments as a template of forced keys and typed values (see the module docs).
-    /// Coordinates stay inside the model frame `(width, height)`.
-    pub(crate) fn constrained_args(
-        &self,
-        dec: &mut Decoding,
-        name: &str,
-        text: &mut String,
-        frame: (u32, u32),
-    ) -> Result<()> {
-        let ints = |keys: &[&str], dec: &mut Decoding, text: &mut String| -> Result<()> {
-            for k in keys {
-                self.force(dec, text, &format!(",\"{k}\":"))?;
-                let max = match k.chars().next() {
-                    Some('x') => frame.0.saturating_sub(1) as u64,
-                    Some('y') => frame.1.saturating_sub(1) as u64,
-                    _ => MAX_WAIT_SECONDS,
-                };
-                self.int(dec, text, max)?;
+    /// One of `fields` (each the text that opens it, e.g. `,"kind":"`), or the end of the object: `None`
+    /// when the model closes it.
+    /// With the budget spent, the object is closed.
+    fn next_field(&self, dec: &mut Decoding, text: &mut String, fields: &[&str]) -> Result<Option<usize>> {
+        if dec.generated >= dec.budget {
+            self.force(dec, text, "}")?;
+            return Ok(None);
+        }
+        let options: Vec<&str> = std::iter::once("}").chain(fields.iter().copied()).collect();
+        let before = text.len();
+        self.choose(dec, text, &options, "")?;
+        Ok(options.iter().skip(1).position(|f| text[before..] == **f))
+    }
+
+    /// Integers for `keys` (`x`/`y` coordinates inside the frame, else seconds).
+    fn ints(&self, dec: &mut Decoding, text: &mut String, keys: &[&str], frame: (u32, u32)) -> Result<()> {
+        for k in keys {
+            self.force(dec, text, &format!(",\"{k}\":"))?;
+            let max = match k.chars().next() {
+                Some('x') => frame.0.saturating_sub(1) as u64,
+                Some('y') => frame.1.saturating_sub(1) as u64,
+                _ => MAX_WAIT_SECONDS,
+            };
+            self.int(dec, text, max)?;
+        }
+        Ok(())
+    }
+
+    /// A string field: its key, its contents, its closing quote.
+    fn string_field(&self, dec: &mut Decoding, text: &mut String, key: &str) -> Result<()> {
+        self.force(dec, text, &format!(",\"{key}\":\""))?;
+        self.string(dec, text)?;
+        self.force(dec, text, "\"")
+    }
+
+    /// One of the listed element ids, inside an opened string, and its closing quote.
+    fn element(&self, dec: &mut Decoding, text: &mut String, ids: &[String]) -> Result<()> {
+        let escaped: Vec<String> = ids.iter().map(|id| json_escape(id)).collect();
+        let options: Vec<&str> = escaped.iter().map(String::as_str).collect();
+        self.choose(dec, text, &options, "\"")
+    }
+
+    /// A click-like target: a point, then optionally one of the listed elements; without a screenshot, an
+    /// element alone (or a point when no element is listed). Returns whether the object is closed.
+    fn target(&self, dec: &mut Decoding, text: &mut String, s: &Schema) -> Result<bool> {
+        if !s.screenshot && !s.elements.is_empty() {
+            self.force(dec, text, ",\"element\":\"")?;
+            self.element(dec, text, s.elements)?;
+            return Ok(false);
+        }
+        self.ints(dec, text, &["x", "y"], s.frame)?;
+        if s.elements.is_empty() {
+            return Ok(false);
+        }
+        match self.next_field(dec, text, &[",\"element\":\""])? {
+            None => Ok(true),
+            Some(_) => self.element(dec, text, s.elements).map(|_| false),
+        }
+    }
+
+    /// An `ask`'s fields: the question, then optionally its options and its kind. Returns whether the
+    /// object is closed.
+    fn ask(&self, dec: &mut Decoding, text: &mut String) -> Result<bool> {
+        self.string_field(dec, text, "question")?;
+        let (options, kind) = (",\"options\":[", ",\"kind\":\"");
+        let mut field = self.next_field(dec, text, &[options, kind])?;
+        if field == Some(0) {
+            for n in 1..=MAX_ASK_OPTIONS {
+                self.force(dec, text, "{\"label\":\"")?;
+                self.string(dec, text)?;
+                self.force(dec, text, "\"}")?;
+                let before = text.len();
+                if n == MAX_ASK_OPTIONS || dec.generated >= dec.budget {
+                    self.force(dec, text, "]")?;
+                } else {
+                    self.choose(dec, text, &["]", ","], "")?;
+                }
+                if text[before..].starts_with(']') {
+                    break;
+                }
             }
-            Ok(())
-        };
-        let string_field = |key: &str, dec: &mut Decoding, text: &mut String| -> Result<()> {
-            self.force(dec, text, &format!(",\"{key}\":\""))?;
-            self.string(dec, text)?;
-            self.force(dec, text, "\"")
-        };
-        match name {
-            "click" | "long_press" | "double_click" | "right_click" => ints(&["x", "y"], dec, text)?,
+            field = self.next_field(dec, text, &[kind])?.map(|_| 1);
+        }
+        match field {
+            None => Ok(true),
+            Some(_) => {
+                self.choose(dec, text, &["selection", "specification"], "\"")?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// The action's arguments as a template of forced keys and typed values (see the module docs).
+    pub(crate) fn constrained_args(&self, dec: &mut Decoding, name: &str, text: &mut String, s: &Schema) -> Result<()> {
+        let closed = match name {
+            "click" | "long_press" | "double_click" | "right_click" => self.target(dec, text, s)?,
             "scroll" => {
-                ints(&["x", "y"], dec, text)?;
+                if s.screenshot {
+                    self.ints(dec, text, &["x", "y"], s.frame)?;
+                }
                 self.force(dec, text, ",\"direction\":\"")?;
                 self.choose(dec, text, &["up", "down", "left", "right"], "\"")?;
+                false
             }
-            "swipe" | "drag" => ints(&["x1", "y1", "x2", "y2"], dec, text)?,
-            "type" | "answer" => string_field("text", dec, text)?,
-            "press" => string_field("key", dec, text)?,
-            "open_app" => string_field("name", dec, text)?,
-            "ask" => string_field("question", dec, text)?,
-            "wait" => ints(&["seconds"], dec, text)?,
+            "swipe" | "drag" => {
+                self.ints(dec, text, &["x1", "y1", "x2", "y2"], s.frame)?;
+                false
+            }
+            "type" | "answer" => self.string_field(dec, text, "text").map(|_| false)?,
+            "press" => self.string_field(dec, text, "key").map(|_| false)?,
+            "open_app" => self.string_field(dec, text, "name").map(|_| false)?,
+            "ask" => self.ask(dec, text)?,
+            "wait" => {
+                self.ints(dec, text, &["seconds"], s.frame)?;
+                false
+            }
             "done" => {
                 self.force(dec, text, ",\"status\":\"")?;
                 self.choose(dec, text, &["success", "infeasible"], "\"")?;
+                false
             }
             "hotkey" => {
-                self.force(dec, text, ",\"keys\":[\"")?;
-                for _ in 0..4 {
-                    self.string(dec, text)?;
-                    let before = text.len();
-                    self.choose(dec, text, &["\"]", "\",\""], "")?;
-                    if text[before..].starts_with("\"]") {
-                        break;
-                    }
-                }
-                if !text.ends_with("\"]") {
-                    self.force(dec, text, "\"]")?;
-                }
+                self.hotkey(dec, text)?;
+                false
             }
             other => return Err(RuntimeError::Internal(format!("no template for action `{other}`"))),
+        };
+        if !closed {
+            self.force(dec, text, "}")?;
         }
-        self.force(dec, text, "}")
+        Ok(())
+    }
+
+    /// A hotkey's keys: one to four strings.
+    fn hotkey(&self, dec: &mut Decoding, text: &mut String) -> Result<()> {
+        self.force(dec, text, ",\"keys\":[\"")?;
+        for _ in 1..4 {
+            self.string(dec, text)?;
+            let before = text.len();
+            self.choose(dec, text, &["\"]", "\",\""], "")?;
+            if text[before..].starts_with("\"]") {
+                return Ok(());
+            }
+        }
+        self.string(dec, text)?;
+        self.force(dec, text, "\"]")
     }
 
     /// The rest of the answer decoded freely, until the object closes, a stop token, or the budget.

@@ -28,6 +28,7 @@ mod sequence;
 mod step;
 
 pub use complete::{Completion, CompletionRequest, FinishReason};
+pub use constrained::MAX_ASK_OPTIONS;
 pub use error::{Result, RuntimeError};
 pub use forward::{Forward, Solo};
 pub use packed::{Item, ItemOut, Packed};

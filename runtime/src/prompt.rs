@@ -70,6 +70,8 @@ pub struct StepPrompt {
     pub images: Vec<PreparedImage>,
     pub frame: FrameMap,
     pub image_tokens: usize,
+    /// The ids of the elements the prompt lists (an element target must be one of them).
+    pub element_ids: Vec<String>,
 }
 
 /// Rendered text as token ids, with the loss mask and where each image's pads start.
@@ -161,11 +163,12 @@ impl Runtime {
                 frame.model = seen;
             }
         }
+        let elements = if self.prompt.elements { step.elements } else { None };
         let ctx = StepContext {
             task: step.task,
             history: step.history,
             screenshots: (0..images.len()).map(|i| PathBuf::from(format!("screenshot {i}"))).collect(),
-            elements: if self.prompt.elements { step.elements } else { None },
+            elements,
             frame,
             system: self.prompt.system_prompt,
         };
@@ -173,6 +176,7 @@ impl Runtime {
         let merge = self.image_config.geometry.merge_size;
         let pads: Vec<usize> = images.iter().map(|(_, i)| i.num_tokens(merge)).collect();
         let ids = encode_chat(&self.tokenizer, &rendered, &pads)?.ids;
-        Ok(StepPrompt { ids, images, frame, image_tokens: pads.iter().sum() })
+        let element_ids = elements.unwrap_or_default().iter().map(|e| e.id.clone()).collect();
+        Ok(StepPrompt { ids, images, frame, image_tokens: pads.iter().sum(), element_ids })
     }
 }

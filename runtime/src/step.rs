@@ -14,6 +14,7 @@ use askgui_data::{Action, FrameMap};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+use crate::constrained::Schema;
 use crate::error::{Result, RuntimeError};
 use crate::forward::Forward;
 use crate::prompt::Step;
@@ -130,7 +131,12 @@ impl Runtime {
         let mut text = format!("{{\"action\":\"{}\"", ACTION_NAMES[choice]);
         dec.budget = max_tokens.saturating_sub(names[choice].len());
         if opts.constrain.unwrap_or(true) {
-            self.constrained_args(&mut dec, ACTION_NAMES[choice], &mut text, prompt.frame.model)?;
+            let schema = Schema {
+                frame: prompt.frame.model,
+                elements: &prompt.element_ids,
+                screenshot: !prompt.images.is_empty(),
+            };
+            self.constrained_args(&mut dec, ACTION_NAMES[choice], &mut text, &schema)?;
         } else {
             self.free_args(&mut dec, &mut text)?;
         }
