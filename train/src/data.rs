@@ -136,6 +136,16 @@ pub fn load_dataset(
                 continue;
             }
         };
+        // The same checks as `askgui-data validate` (images are opened below, by `image_tokens`).
+        let mut problems = vec![];
+        askgui_data::validate::check_episode(&episode, &base, false, &mut |step, msg| {
+            problems.push(step.map_or(msg.clone(), |s| format!("step {s}: {msg}")))
+        });
+        if !problems.is_empty() {
+            let reason = format!("episode `{}` does not validate: {}", episode.id, problems.join("; "));
+            skip(TrainError::BadRecord { path: path.into(), line, reason }, &mut stats)?;
+            continue;
+        }
         let ep = LoadedEpisode { episode, base: base.clone(), line };
         let tokens = match image_tokens(path, &ep, images) {
             Ok((t, mismatched)) => {
