@@ -44,7 +44,7 @@ pub struct Variant {
     pub matching: MatchConfig,
 }
 
-/// The defaults first, then one open choice changed at a time, then the definitions before issue 26
+/// The defaults first, then one open choice changed at a time, then the earlier definitions
 /// together (pooled, the ask required at its step, early asks as positives).
 pub fn variants(base: &MatchConfig) -> Vec<Variant> {
     let v = |name, opts, pooled, matching| Variant { name, opts, pooled, matching };
@@ -66,7 +66,7 @@ pub fn variants(base: &MatchConfig) -> Vec<Variant> {
         v("click: box or distance (AITW)", d, false, MatchConfig { box_or_distance: true, ..m }),
         v("click: no inferred box", d, false, MatchConfig { no_infer_element: true, ..m }),
         v("our rules for every dataset", d, false, MatchConfig { rules: RuleSet::Synthetic, ..m }),
-        v("before issue 26: pooled, ask required, early positive", old, true, m),
+        v("earlier askgui: pooled, ask required, early positive", old, true, m),
     ]
 }
 

@@ -371,7 +371,7 @@ fn case(
 
 #[test]
 fn ssr_is_a_mean_over_episodes_not_over_steps() {
-    // Issue 26, case 1: a 2-step episode with 1 right step and an 8-step episode all right.
+    // Case 1 of the review against the papers: a 2-step episode with 1 right step and an 8-step episode all right.
     let eps = vec![episode("short", 2, &[], false), episode("long", 8, &[], false)];
     let (_, m, _) = case(eps, &[(("short", 1, 0), Reply::Wrong)], Mode::Original);
     // Navi-plus F.1: (1/2 + 8/8) / 2 = 0.75; pooled over steps: 9/10 = 0.9. F.3: 1 of 2 episodes.
@@ -384,7 +384,7 @@ fn ssr_is_a_mean_over_episodes_not_over_steps() {
 
 #[test]
 fn a_perfect_actor_that_never_asks_loses_only_ask_recall() {
-    // Issue 26, case 2: 4 steps, the annotated ASK at step 1; the agent always acts right and never asks.
+    // Case 2 of the review against the papers: 4 steps, the annotated ASK at step 1; the agent always acts right and never asks.
     let eps = || vec![episode("never", 4, &[(1, "Which size?")], true)];
     let (_, original, _) = case(eps(), &[], Mode::Original);
     let (res, m, _) = case(eps(), &[], Mode::Standard);
@@ -399,7 +399,7 @@ fn a_perfect_actor_that_never_asks_loses_only_ask_recall() {
     let t = m.ask.as_ref().unwrap();
     assert_eq!(t.counts, Counts { tp: 0, fp: 0, fn_: 1, tn: 3 });
     assert_eq!((t.precision, t.recall, t.f1, t.fpr), (None, Some(0.0), Some(0.0), Some(0.0)));
-    // The rule before issue 26 (the ask step right only if asked): after 2/3, SR 0.
+    // askgui's earlier rule (the ask step right only if asked): after 2/3, SR 0.
     let old = compute_with(
         Mode::Standard,
         &res,
@@ -412,7 +412,7 @@ fn a_perfect_actor_that_never_asks_loses_only_ask_recall() {
 
 #[test]
 fn only_pause_tasks_have_no_task_fpr() {
-    // Issue 26, case 3: four tasks that need a pause at step 2; p1..p3 pause there, p4 pauses early at 1.
+    // Case 3 of the review against the papers: four tasks that need a pause at step 2; p1..p3 pause there, p4 pauses early at 1.
     use Reply::Ask;
     let eps = || (1..=4).map(|k| episode(["p1", "p2", "p3", "p4"][k - 1], 4, &[(2, "Which one?")], true)).collect();
     let table = [
@@ -442,7 +442,7 @@ fn only_pause_tasks_have_no_task_fpr() {
 
 #[test]
 fn strict_needs_the_steps_before_a_pause_right() {
-    // Issue 26, case 4. "derail": step 0 wrong, then the pause exactly at 2; "after": a right pause at 1,
+    // Case 4 of the review against the papers. "derail": step 0 wrong, then the pause exactly at 2; "after": a right pause at 1,
     // then a wrong action on the answer before the pause at 3; "onpath": every step right and the pause
     // at 2.
     use Reply::{Ask, Wrong};
@@ -476,7 +476,7 @@ fn strict_needs_the_steps_before_a_pause_right() {
 
 #[test]
 fn dual_early_ask_keeps_recall_and_inserts_the_annotated_pair() {
-    // Issue 26, case 5: 5 steps, the annotated ASK at 3 ("Which milk?"); the agent asks its own question
+    // Case 5 of the review against the papers: 5 steps, the annotated ASK at 3 ("Which milk?"); the agent asks its own question
     // at 1 and nowhere else.
     let eps = || vec![episode("early", 5, &[(3, "Which milk?")], true)];
     let table = [(("early", 1, 0), Reply::Ask("Is it oat?"))];
@@ -678,12 +678,12 @@ fn run_eval_writes_every_report() -> anyhow::Result<()> {
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cfg.out.join("report.json"))?)?;
     assert_eq!(json["modes"][3]["ask"]["counts"]["fn"], 4);
     assert!(std::fs::read_to_string(cfg.out.join("ask_offset.svg"))?.contains("<title>-2: 1</title>"));
-    // The sensitivity tables score the saved results again. With the definitions before issue 26 (pooled,
+    // The sensitivity tables score the saved results again. With the earlier definitions (pooled,
     // the ask required at its step, early asks positive) +ASK is 17/28 = 60.7 (-14.1 from 74.8), SR 2/8,
     // before 6/8, after 7/13 = 53.8 (-34.5 from 88.3); +ASK's ask counts do not change. Dual is 22/28 = 78.6,
     // SR 4/8, after 10/13 = 76.9, TP 4 FP 2 FN 2 TN 18 (P, R, F1 0.667, FPR 0.1): the old numbers.
     let tables = askgui_eval::sensitivity::tables(std::slice::from_ref(&cfg.out), None)?;
-    let old = "| before issue 26: pooled, ask required, early positive |";
+    let old = "| earlier askgui: pooled, ask required, early positive |";
     let row = |mode: &str| {
         let at = tables.find(&format!("— {mode}\n")).unwrap_or_else(|| panic!("{mode}: {tables}"));
         tables[at..].lines().find(|l| l.starts_with(old)).unwrap_or_else(|| panic!("{tables}")).to_string()
