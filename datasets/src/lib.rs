@@ -6,7 +6,7 @@
 //! training samples with their loss spans), [`adapter_card`] (the prompt and image settings an adapter
 //! was trained with, `askgui.json`). The tools: [`validate`], [`synth`] (a synthetic GUI world in
 //! which asking is necessary), [`convert`] (ScreenAgent, AndroidControl, Multimodal-Mind2Web),
-//! [`ambiguate`] (the Navi-plus ambiguity pipeline through any OpenAI-compatible endpoint), [`stats`] and
+//! [`ambiguate`] (the Navi-plus ambiguity pipeline through any OpenAI-compatible endpoint), [`split`], [`stats`] and
 //! [`render`] (HTML pages to look at the data).
 
 pub mod action;
@@ -20,6 +20,7 @@ pub mod frame;
 pub mod parse;
 pub mod prompt;
 pub mod render;
+pub mod split;
 pub mod stats;
 pub mod synth;
 pub mod validate;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use askgui_data::{ambiguate, convert, render, stats, synth, validate};
+use askgui_data::{ambiguate, convert, render, split, stats, synth, validate};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -43,6 +43,8 @@ enum Command {
         #[arg(long)]
         skip_bad_records: bool,
     },
+    /// Divide an episode file into train/val/test files beside it: whole episodes, seeded, by ratio or count.
+    Split(split::SplitArgs),
     /// Make tasks ambiguous the Navi-plus way through an OpenAI-compatible chat endpoint.
     Ambiguate(ambiguate::AmbiguateArgs),
     /// Episodes, steps, action mix, ask rate, image sizes.
@@ -99,6 +101,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let r = synth::synth(&args)?;
             for (name, file, n) in &r.files {
                 println!("{name}: {n} episodes -> {}", file.display());
+                if name == "val" && *n < 32 {
+                    println!(
+                        "  note: the trainer's agent eval runs --eval-episodes (default 32) of these; only {n} exist"
+                    );
+                }
             }
             println!("{} steps, {} ambiguous episodes", r.steps, r.ambiguous);
         }
@@ -123,6 +130,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 out.join("episodes.jsonl").display(),
                 r.skipped.len()
             );
+        }
+        Command::Split(args) => {
+            for (name, file, n) in split::split(&args)? {
+                println!("{name}: {n} episodes -> {}", file.display());
+            }
         }
         Command::Ambiguate(args) => {
             let r = ambiguate::ambiguate(&args)?;

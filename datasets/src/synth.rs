@@ -59,7 +59,8 @@ pub struct SynthArgs {
     /// Screen height in pixels (at least 160).
     #[arg(long, default_value_t = 640)]
     pub height: u32,
-    /// Weights of the train:val:test split.
+    /// Weights of the train:val:test split; each weighted split gets at least one episode. A small val split
+    /// also caps the trainer's agent eval (`--eval-episodes`, default 32).
     #[arg(long, default_value = "8:1:1")]
     pub split: String,
     /// Fraction of the episodes whose task leaves out a detail (the rest need no question).
@@ -612,6 +613,20 @@ fn split_of(seed: u64, index: usize, w: [f64; 3]) -> usize {
     }
 }
 
+/// Gives every weighted split that the draws left empty one episode, the last of the largest split, so that
+/// small worlds still have a val and a test file to run (other splits are exactly as drawn).
+fn fill_empty_splits(splits: &mut [Vec<Episode>; 3], weights: [f64; 3]) {
+    for k in 0..3 {
+        if weights[k] > 0.0 && splits[k].is_empty() {
+            let largest = (0..3).max_by_key(|&j| splits[j].len()).expect("three splits");
+            if splits[largest].len() > 1 {
+                let ep = splits[largest].pop().expect("non-empty");
+                splits[k].push(ep);
+            }
+        }
+    }
+}
+
 /// Writes the world: `out/{train,val,test}.jsonl` (splits with weight 0 are not written) and `out/images/`.
 pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
     if args.width < 160 || args.height < 160 {
@@ -644,6 +659,7 @@ pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
         bar.inc(1);
     }
     bar.finish_and_clear();
+    fill_empty_splits(&mut splits, weights);
     for (k, name) in ["train", "val", "test"].iter().enumerate() {
         if weights[k] == 0.0 {
             continue;
