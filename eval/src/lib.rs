@@ -3,12 +3,13 @@
 //! [`agent`] is the boundary to the agent under test and [`backends`] its implementations (in-process
 //! model, OpenAI-compatible endpoint, askgui-serve's agent API); [`matching`] decides whether a predicted
 //! step is right; [`modes`] runs standard, Dual-Stream and strict evaluation over an episode; [`metrics`]
-//! aggregates; [`runner`] runs a whole file with concurrency and resumable results, keyed on the run's
+//! aggregates, with [`ask_behaviour`] (asks per task, over-asking); [`runner`] runs a whole file with concurrency and resumable results, keyed on the run's
 //! [`identity`]; [`report`] writes JSON, Markdown and plots; [`text`] holds the ASK-content metrics
 //! (all-MiniLM-L6-v2 cosine in candle, METEOR); [`sensitivity`] scores a finished run again under each
 //! choice the papers leave open.
 
 pub mod agent;
+pub mod ask_behaviour;
 pub mod backends;
 pub mod identity;
 pub mod matching;

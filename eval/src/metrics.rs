@@ -11,6 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::ask_behaviour::{ask_behaviour, AskBehaviour};
 use crate::modes::{Counts, EpisodeResult, Mode, StepOutcome, StrictOutcome};
 use crate::text::TextMetrics;
 
@@ -204,6 +205,9 @@ pub struct ModeMetrics {
     pub step_accuracy: Vec<StepAccuracy>,
     /// `asked_at - annotated step` for every annotated ASK step the agent asked around.
     pub ask_offsets: Vec<i64>,
+    /// Asks per task, over-asking, results by details left out, first-ask timing (+ASK and Dual).
+    #[serde(default)]
+    pub ask_behaviour: Option<AskBehaviour>,
 }
 
 pub fn ratio(num: usize, den: usize) -> Option<f64> {
@@ -409,6 +413,7 @@ pub fn compute_with(
         sr_no_pause: strict_sr(false),
         step_accuracy: t.by_step,
         ask_offsets,
+        ask_behaviour: (mode.scores_asks() && !strict_mode).then(|| ask_behaviour(&nonempty)),
     }
 }
 

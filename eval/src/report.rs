@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::ask_behaviour::AskBehaviour;
 use crate::identity::{Decoding, RunIdentity};
 use crate::matching::MatchConfig;
 use crate::metrics::{Metric, ModeMetrics};
@@ -23,7 +24,8 @@ pub enum ReportError {
 }
 
 /// The files [`write_report`] writes.
-pub const REPORT_FILES: [&str; 4] = ["report.json", "report.md", "step_accuracy.svg", "ask_offset.svg"];
+pub const REPORT_FILES: [&str; 5] =
+    ["report.json", "report.md", "step_accuracy.svg", "ask_offset.svg", "ask_behaviour.svg"];
 
 /// Everything `report.json` holds.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -43,10 +45,16 @@ impl Report {
     }
 }
 
-/// Writes `report.json`, `report.md`, `step_accuracy.svg` and `ask_offset.svg` into `dir`; returns their paths.
+/// Writes [`REPORT_FILES`] into `dir`; returns their paths.
 pub fn write_report(dir: &Path, report: &Report) -> Result<Vec<PathBuf>, ReportError> {
     let json = serde_json::to_string_pretty(report).unwrap_or_default();
-    let texts = [json + "\n", markdown(report), step_accuracy_svg(&report.modes), ask_offset_svg(report)];
+    let texts = [
+        json + "\n",
+        markdown(report),
+        step_accuracy_svg(&report.modes),
+        ask_offset_svg(report),
+        ask_behaviour_svg(&report.modes),
+    ];
     let mut out = Vec::new();
     for (name, text) in REPORT_FILES.into_iter().zip(texts) {
         let path = dir.join(name);
@@ -206,6 +214,7 @@ pub fn markdown(report: &Report) -> String {
     if let Some(m) = report.mode(Mode::Strict) {
         strict_section(&mut s, m, &mut notes);
     }
+    ask_behaviour_section(&mut s, &report.modes);
     let _ = writeln!(s, "## Counts\n");
     let _ = writeln!(
         s,
@@ -382,6 +391,103 @@ pub fn ask_offset_svg(report: &Report) -> String {
             let _ =
                 writeln!(s, "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{off}</text>", x + bw / 2.0, y0 + 16.0);
         }
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Asks per task, over-asking and first-ask timing per mode, then the results by details left out.
+fn ask_behaviour_section(s: &mut String, modes: &[ModeMetrics]) {
+    let rows: Vec<(&ModeMetrics, &AskBehaviour)> =
+        modes.iter().filter_map(|m| m.ask_behaviour.as_ref().map(|b| (m, b))).collect();
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(s, "## Ask behaviour\n");
+    let _ = writeln!(s, "| Mode | asks per task | over-asking rate | needless asks per ambiguous task | first ask early / exact / late / never |");
+    let _ = writeln!(s, "|---|---|---|---|---|");
+    let num = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.3}"));
+    for (m, b) in &rows {
+        let f = b.first_ask;
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} / {} / {} / {} |",
+            m.mode,
+            num(b.asks_per_task),
+            num(b.over_asking_rate),
+            num(b.needless_asks_per_ambiguous_task),
+            f.early,
+            f.exact,
+            f.late,
+            f.never
+        );
+    }
+    let _ = writeln!(s, "\n| Mode | details left out | tasks | SR | asks per task | ASK recall |");
+    let _ = writeln!(s, "|---|---|---|---|---|---|");
+    for (m, b) in &rows {
+        for d in &b.by_details {
+            let (sr, asks, recall) = (pct(d.sr), num(d.asks_per_task), frac(d.ask_recall));
+            let _ = writeln!(s, "| {} | {} | {} | {sr} | {asks} | {recall} |", m.mode, d.details, d.tasks);
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\nFirst stream (ground-truth history at every step). Over-asking rate: asks per task that needs none. \
+         Definitions: eval/README.md.\n"
+    );
+}
+
+/// Asks per task by the details a task leaves out, one bar per mode that scores asks.
+pub fn ask_behaviour_svg(modes: &[ModeMetrics]) -> String {
+    let mut s = svg_open("Asks per task by details left out");
+    let rows: Vec<(&ModeMetrics, &AskBehaviour)> =
+        modes.iter().filter_map(|m| m.ask_behaviour.as_ref().map(|b| (m, b))).collect();
+    let details: Vec<usize> = {
+        let mut d: Vec<usize> = rows.iter().flat_map(|(_, b)| b.by_details.iter().map(|r| r.details)).collect();
+        d.sort_unstable();
+        d.dedup();
+        d
+    };
+    let value = |b: &AskBehaviour, d: usize| {
+        b.by_details.iter().find(|r| r.details == d).and_then(|r| r.asks_per_task).unwrap_or(0.0)
+    };
+    let max = rows.iter().flat_map(|(_, b)| details.iter().map(|&d| value(b, d))).fold(0.0, f64::max);
+    let y_max = (max * 2.0).ceil().max(1.0) / 2.0;
+    axes(&mut s, y_max, "asks per task", "details the task leaves out", |v| format!("{v:.1}"));
+    if details.is_empty() {
+        let _ =
+            writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">no mode scores asks</text>", W / 2.0, H / 2.0);
+    }
+    let (x0, y0, x1, y1) = (LEFT, H - BOTTOM, W - RIGHT, TOP);
+    let group = (x1 - x0) / details.len().max(1) as f64;
+    let bw = group * 0.8 / rows.len().max(1) as f64;
+    for (gi, &d) in details.iter().enumerate() {
+        let gx = x0 + group * gi as f64 + group * 0.1;
+        for (k, (m, b)) in rows.iter().enumerate() {
+            let v = value(b, d);
+            let h = (y0 - y1) * v / y_max;
+            let _ = writeln!(
+                s,
+                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{h:.1}\" fill=\"{}\"><title>{}: {v:.3}</title></rect>",
+                gx + bw * k as f64,
+                y0 - h,
+                bw * 0.9,
+                COLORS[k % COLORS.len()],
+                m.mode
+            );
+        }
+        let _ =
+            writeln!(s, "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{d}</text>", gx + group * 0.4, y0 + 16.0);
+    }
+    for (k, (m, _)) in rows.iter().enumerate() {
+        let y = TOP + 16.0 * k as f64;
+        let _ = writeln!(
+            s,
+            "<rect x=\"{}\" y=\"{y}\" width=\"12\" height=\"12\" fill=\"{}\"/>",
+            x1 + 10.0,
+            COLORS[k % COLORS.len()]
+        );
+        let _ = writeln!(s, "<text x=\"{}\" y=\"{}\">{}</text>", x1 + 28.0, y + 10.0, m.mode);
     }
     s.push_str("</svg>\n");
     s

@@ -111,7 +111,7 @@ fn http_endpoint_run_writes_the_reports_with_known_numbers() -> anyhow::Result<(
     let (url, calls) = done_server();
     let (f, o) = (file.to_str().unwrap(), out.to_str().unwrap());
     run(&["run", "--episodes", f, "--out", o, "--openai-base", &url, "--openai-model", "always-done", "--table"]);
-    for name in ["report.json", "report.md", "step_accuracy.svg", "ask_offset.svg"] {
+    for name in ["report.json", "report.md", "step_accuracy.svg", "ask_offset.svg", "ask_behaviour.svg"] {
         assert!(out.join(name).is_file(), "{name} not written");
     }
     let report: Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json"))?)?;

@@ -662,6 +662,7 @@ fn run_eval_writes_every_report() -> anyhow::Result<()> {
         "report.md",
         "step_accuracy.svg",
         "ask_offset.svg",
+        "ask_behaviour.svg",
         "results-dual.jsonl",
         "results-strict.jsonl",
     ] {
