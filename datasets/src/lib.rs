@@ -5,7 +5,7 @@
 //! the model's coordinate frame), [`episode`] (the JSONL episode format), [`prompt`] (chat messages and
 //! training samples with their loss spans), [`adapter_card`] (the prompt and image settings an adapter
 //! was trained with, `askgui.json`). The tools: [`validate`], [`synth`] (a synthetic GUI world in
-//! which asking is necessary), [`convert`] (ScreenAgent, AndroidControl, Multimodal-Mind2Web),
+//! which asking is necessary), [`convert`] (ScreenAgent, AndroidControl, Multimodal-Mind2Web, GUI-Odyssey),
 //! [`ambiguate`] (the Navi-plus ambiguity pipeline through any OpenAI-compatible endpoint), [`split`], [`stats`] and
 //! [`render`] (HTML pages to look at the data).
 

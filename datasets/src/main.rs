@@ -33,7 +33,7 @@ enum Command {
         /// The dataset's format.
         #[arg(value_enum)]
         format: Format,
-        /// The dataset folder (screenagent) or JSONL file (android-control, mind2web).
+        /// The dataset folder (screenagent, gui-odyssey) or JSONL file (android-control, mind2web).
         #[arg(long)]
         input: PathBuf,
         /// Output folder: episodes.jsonl and images/.
@@ -70,6 +70,7 @@ enum Format {
     Screenagent,
     AndroidControl,
     Mind2web,
+    GuiOdyssey,
 }
 
 fn main() -> ExitCode {
@@ -115,6 +116,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Format::Screenagent => convert::convert_screenagent_with(&input, &out, opts),
                 Format::AndroidControl => convert::convert_android_control_with(&input, &out, opts),
                 Format::Mind2web => convert::convert_mind2web_with(&input, &out, opts),
+                Format::GuiOdyssey => convert::convert_gui_odyssey_with(&input, &out, opts),
             }
             .with_context(|| format!("converting {}", input.display()))?;
             for s in &r.skipped {

@@ -529,3 +529,79 @@ fn screenagent_published_splits_convert_and_validate() -> Result<()> {
     }
     Ok(())
 }
+
+/// A GUI-Odyssey annotation with every field `introduction.md` documents.
+fn odyssey_annotation(id: &str, steps: Value) -> Value {
+    json!({"episode_id": id,
+           "device_info": {"product": "sdk_gphone64", "release_version": "14", "sdk_version": "34",
+                           "h": 2400, "w": 1080, "device_name": "Pixel 7 Pro"},
+           "task_info": {"category": "Multi_Apps", "app": ["DuckDuckGo", "TickTick"],
+                         "meta_task": "Search for the next {} and set a reminder.",
+                         "task": "Search for the next Fashion Week and set a reminder.",
+                         "instruction": "Use DuckDuckGo to find the next Fashion Week, then set a reminder in TickTick."},
+           "step_length": steps.as_array().map_or(0, Vec::len), "steps": steps})
+}
+
+fn odyssey_step(i: usize, shot: &str, action: &str, info: Value) -> Value {
+    json!({"step": i, "screenshot": shot, "action": action, "info": info, "ps": "",
+           "description": "a screen", "intention": "go on", "context": "so far",
+           "low_level_instruction": format!("step {i}"), "sam2_bbox": []})
+}
+
+#[test]
+fn gui_odyssey_converts_and_validates() -> Result<()> {
+    let dir = temp_dir("odyssey");
+    let (w, h) = (50, 100);
+    fs::create_dir_all(dir.join("annotations"))?;
+    fs::create_dir_all(dir.join("screenshots"))?;
+    for i in 0..8 {
+        fs::write(dir.join(format!("screenshots/e1_{i}.png")), png(w, h, [i as u8 * 30, 0, 0]))?;
+    }
+    let shot = |i: usize| format!("e1_{i}.png");
+    let steps = json!([
+        odyssey_step(0, &shot(0), "CLICK", json!([[500, 250]])),
+        odyssey_step(1, &shot(1), "LONG_PRESS", json!([[1000, 1000]])),
+        odyssey_step(2, &shot(2), "SCROLL", json!([[500, 800], [500, 200]])),
+        odyssey_step(3, &shot(3), "TYPE", json!("fashion week")),
+        odyssey_step(4, &shot(4), "CLICK", json!("KEY_BACK")),
+        odyssey_step(5, &shot(5), "CLICK", json!("KEY_HOME")),
+        odyssey_step(6, &shot(6), "CLICK", json!("KEY_APPSELECT")),
+        odyssey_step(7, &shot(7), "COMPLETE", json!("")),
+    ]);
+    fs::write(dir.join("annotations/e1.json"), odyssey_annotation("e1", steps).to_string())?;
+    let missing = json!([odyssey_step(0, "gone.png", "CLICK", json!([[1, 1]]))]);
+    fs::write(dir.join("annotations/e2.json"), odyssey_annotation("e2", missing).to_string())?;
+    fs::write(dir.join("annotations/e3.json"), "{\"episode_id\": \"e3\", \"steps\": [")?;
+
+    let out = dir.join("out");
+    let e = askgui_data::convert::convert_gui_odyssey(&dir, &out).unwrap_err().to_string();
+    assert!(e.contains("annotations/e2.json") && e.contains("gone.png"), "{e}");
+    let report = askgui_data::convert::convert_gui_odyssey_with(&dir, &out, SKIP_BAD)?;
+    let eps = assert_valid(&out)?;
+    assert_eq!((report.episodes, report.steps), (1, 8));
+    assert_eq!(report.skip_counts.get(BAD_RECORD), Some(&2), "{:#?}", report.skipped);
+    assert!(report.skipped.iter().any(|l| l.contains("e3.json") && l.contains("not valid JSON")));
+    let ep = &eps[0].episode;
+    assert_eq!(ep.id, "guiodyssey-e1");
+    assert!(ep.task.starts_with("Use DuckDuckGo"));
+    assert_eq!((ep.screen.width, ep.screen.height), (w, h), "the screenshots' size, coordinates scaled to it");
+    let acts: Vec<&Action> = ep.steps.iter().map(|s| &s.action).collect();
+    let swipe = Action::Swipe(askgui_data::action::Segment { x1: 25, y1: 80, x2: 25, y2: 20 });
+    assert_eq!(
+        acts,
+        [
+            &Action::Click(Target::point(25, 25)),
+            &Action::LongPress(Target::point(49, 99)),
+            &swipe,
+            &Action::Type { text: "fashion week".into() },
+            &Action::Press { key: "back".into() },
+            &Action::Press { key: "home".into() },
+            &Action::Press { key: "app_switch".into() },
+            &Action::Done { status: DoneStatus::Success },
+        ]
+    );
+    assert_eq!(ep.steps[3].instruction.as_deref(), Some("step 3"));
+    assert_eq!(pixel(&eps[0], 2, 1, 1), [60, 0, 0], "each step keeps its own screenshot");
+    fs::remove_dir_all(&dir)?;
+    Ok(())
+}

@@ -1,4 +1,5 @@
-//! Converters from public GUI-agent datasets to our episode JSONL: ScreenAgent, AndroidControl and Multimodal-Mind2Web.
+//! Converters from public GUI-agent datasets to our episode JSONL: ScreenAgent, AndroidControl, Multimodal-Mind2Web and
+//! GUI-Odyssey.
 //!
 //! Each converter writes `out/episodes.jsonl` and the screenshots under `out/images/`, with paths in the JSONL relative
 //! to `out` and coordinates in pixels of the screenshot that is written. Two kinds of skips: what the dataset holds but
@@ -6,10 +7,12 @@
 //! record (truncated, wrong schema, missing image, a point off the screen) is an error naming the file and record, or,
 //! with [`ConvertOptions::skip_bad_records`], a skip. Every skip is one line in [`ConvertReport::skipped`] and counted by
 //! reason in [`ConvertReport::skip_counts`]; nothing is dropped silently. Every episode is checked with
-//! [`crate::validate::check_episode`] before it is written, so the output validates with zero problems. Ids are prefixed with the source (`screenagent-`, `androidcontrol-`, `mind2web-`) so converted sets can be
+//! [`crate::validate::check_episode`] before it is written, so the output validates with zero problems. Ids are
+//! prefixed with the source (`screenagent-`, `androidcontrol-`, `mind2web-`, `guiodyssey-`) so converted sets can be
 //! mixed.
 //!
-//! One file per source: [`screenagent`], [`android_control`], [`mind2web`]; this file holds what they share.
+//! One file per source: [`screenagent`], [`android_control`], [`mind2web`], [`gui_odyssey`]; this file holds what they
+//! share.
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
 use std::io::{BufRead, BufReader, Cursor, Seek, SeekFrom};
@@ -54,6 +57,8 @@ pub enum ConvertError {
          `<session>/<timestamp>.json` of the test split) found: pass the folder of session folders, or one session folder"
     )]
     NoScreenAgentRecords { input: PathBuf },
+    #[error("{input}: no records ({expected}) found")]
+    NoRecords { input: PathBuf, expected: String },
     #[error("{input}: nothing could be converted ({count} records skipped); the first reason: {first}")]
     NothingConverted { input: PathBuf, count: usize, first: String },
     #[error("{at}: {why} (fix or remove that record, or pass --skip-bad-records to skip it and go on)")]
@@ -368,10 +373,12 @@ fn direction(d: &str) -> Result<Direction, String> {
 }
 
 mod android_control;
+mod gui_odyssey;
 mod mind2web;
 mod screenagent;
 
 pub use android_control::{convert_android_control, convert_android_control_with};
+pub use gui_odyssey::{convert_gui_odyssey, convert_gui_odyssey_with};
 pub use mind2web::{convert_mind2web, convert_mind2web_with};
 pub use screenagent::{convert_screenagent, convert_screenagent_with, key_name};
 
