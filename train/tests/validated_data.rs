@@ -55,7 +55,7 @@ fn an_episode_that_validate_rejects_is_a_bad_record() {
         say_repeat: 1,
         region_words: false,
     };
-    let e = load_dataset(&data, &opts, &tok, &images).err().expect("the off-screen click is refused");
+    let e = load_dataset(&data, &opts, &tok, &images).expect_err("the off-screen click is refused");
     let msg = e.to_string();
     assert!(matches!(e, TrainError::BadRecord { line: 2, .. }), "{msg}");
     assert!(msg.contains("outside the 224x400 screen"), "{msg}");
