@@ -51,8 +51,10 @@
 //! a 429 (`rate_limit_error`) carries a `Retry-After` header in seconds. Clients retry 429 and 5xx, never
 //! another 4xx.
 //!
-//! No struct denies unknown fields: a newer client may send, and a newer server may answer, fields the
-//! other side does not know yet, and they are ignored. Optional fields are left out when empty.
+//! The types ignore fields they do not know, so a client reads the answers of a newer server. The server
+//! is stricter with requests: askgui-serve answers a request field it does not know with a 400 naming its
+//! path (`options.max_new_tokens`) and the known fields, so that a misspelt option is never dropped in
+//! silence. Optional fields are left out when empty.
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;

@@ -1,9 +1,10 @@
 //! The native agent API: stateless `POST /v1/agent/step`, and sessions (`/v1/sessions...`) in which the
 //! server keeps the task and the ASK/SAY dialogue.
 //!
-//! A step request is checked in this order, cheapest first, so that a bad request costs little: JSON
-//! (the extractor), [`AgentStepRequest::check`], the backend being ready, the adapter, the limits, then the
-//! screenshot (base64, header size, decode on the blocking pool). Only then is a job queued.
+//! A step request is checked in this order, cheapest first, so that a bad request costs little: JSON and
+//! its fields (the [`Strict`] extractor: an unknown field is a 400), [`AgentStepRequest::check`], the
+//! backend being ready, the adapter, the limits, then the screenshot (base64, header size, decode on the
+//! blocking pool). Only then is a job queued.
 
 use actix_web::http::header;
 use actix_web::{web, HttpResponse};
@@ -15,6 +16,7 @@ use crate::backend::{BackendInfo, JobKind, JobOutput, StepJob};
 use crate::error::HttpError;
 use crate::sessions::SessionError;
 use crate::state::AppState;
+use crate::strict::Strict;
 
 /// The longest side of a screen the server accepts (larger is a client bug, not a screen).
 const MAX_SCREEN_SIDE: u32 = 1 << 16;
@@ -97,7 +99,7 @@ pub async fn run_step(state: &AppState, mut req: AgentStepRequest) -> Result<Age
 }
 
 /// `POST /v1/agent/step`.
-pub async fn step(state: web::Data<AppState>, body: web::Json<AgentStepRequest>) -> Result<HttpResponse, HttpError> {
+pub async fn step(state: web::Data<AppState>, body: Strict<AgentStepRequest>) -> Result<HttpResponse, HttpError> {
     let resp = run_step(&state, body.into_inner()).await?;
     Ok(HttpResponse::Ok().json(resp))
 }
@@ -113,7 +115,7 @@ impl From<SessionError> for HttpError {
 }
 
 /// `POST /v1/sessions` body.
-#[derive(Deserialize, Debug)]
+#[derive(Serialize, Deserialize, Debug)]
 pub struct CreateSession {
     pub task: String,
     #[serde(default)]
@@ -129,7 +131,7 @@ pub struct Created {
 }
 
 /// `POST /v1/sessions/{id}/step` body.
-#[derive(Deserialize, Debug)]
+#[derive(Serialize, Deserialize, Debug)]
 pub struct SessionStep {
     pub observation: Observation,
     /// Replaces the session's options for this step.
@@ -138,7 +140,7 @@ pub struct SessionStep {
 }
 
 /// `POST /v1/sessions/{id}/say` body.
-#[derive(Deserialize, Debug)]
+#[derive(Serialize, Deserialize, Debug)]
 pub struct Say {
     pub text: String,
 }
@@ -146,7 +148,7 @@ pub struct Say {
 /// `POST /v1/sessions`.
 pub async fn create_session(
     state: web::Data<AppState>,
-    body: web::Json<CreateSession>,
+    body: Strict<CreateSession>,
 ) -> Result<HttpResponse, HttpError> {
     let CreateSession { task, adapter, options } = body.into_inner();
     // The stateless request's checks, on a request with a stand-in observation.
@@ -177,7 +179,7 @@ pub async fn create_session(
 pub async fn session_step(
     state: web::Data<AppState>,
     id: web::Path<String>,
-    body: web::Json<SessionStep>,
+    body: Strict<SessionStep>,
 ) -> Result<HttpResponse, HttpError> {
     let SessionStep { observation, options } = body.into_inner();
     let (session, lease) = state.sessions.begin_step(&id)?;
@@ -198,7 +200,7 @@ pub async fn session_step(
 pub async fn session_say(
     state: web::Data<AppState>,
     id: web::Path<String>,
-    body: web::Json<Say>,
+    body: Strict<Say>,
 ) -> Result<HttpResponse, HttpError> {
     let Say { text } = body.into_inner();
     if text.trim().is_empty() {

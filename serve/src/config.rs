@@ -133,6 +133,9 @@ pub struct Config {
     /// `reference` runs plain-candle ops instead of askgui's kernels (slower; for a GPU they fail on).
     #[arg(long, env = "ASKGUI_SERVE_KERNELS", value_enum, default_value_t = KernelChoice::Askgui)]
     pub kernels: KernelChoice,
+    /// Log request fields the server does not know, instead of refusing the request with a 400.
+    #[arg(long, env = "ASKGUI_SERVE_LENIENT_REQUESTS")]
+    pub lenient_requests: bool,
     /// Serve the deterministic stub backend instead of a model (front-end development, smoke tests).
     #[arg(long, env = "ASKGUI_SERVE_STUB", hide = true)]
     pub stub: bool,

@@ -5,7 +5,8 @@
 //! [`backend::Backend`] that owns the model ([`model_backend::ModelBackend`]; [`stub::StubBackend`] in tests).
 //! Handlers parse and check requests and decode images ([`images`]); they never touch tensors. The model
 //! backend batches concurrent jobs continuously ([`batcher`]) and reuses prompt prefixes ([`askgui_runtime::prefix_cache`]).
-//! Errors map to statuses in [`error`]; sessions live in [`sessions`]; Prometheus metrics in [`metrics`].
+//! Request bodies are parsed strictly ([`strict`]: an unknown field is a 400 naming it). Errors map to
+//! statuses in [`error`]; sessions live in [`sessions`]; Prometheus metrics in [`metrics`].
 //!
 //! To run a server on a free port with some backend (what the tests do):
 //!
@@ -32,6 +33,7 @@ pub mod predict;
 pub mod server;
 pub mod sessions;
 pub mod state;
+pub mod strict;
 pub mod stub;
 
 pub use config::{Cli, Command, Config, PredictArgs};

@@ -2,8 +2,10 @@
 //! which is what UI-TARS-desktop, Midscene and most agent frameworks call.
 //!
 //! `model` is the base model's id or an adapter's name (anything else: 404 `model_not_found`, as OpenAI
-//! answers). Images come as `image_url` parts holding `data:` URLs; the server fetches nothing. Unknown
-//! request fields are ignored, so newer clients keep working. A streamed answer waits for the model's
+//! answers). Images come as `image_url` parts holding `data:` URLs; the server fetches nothing. Every
+//! parameter of OpenAI's reference is accepted; those the server cannot honour are refused when their
+//! value asks for it (`n` > 1, `logprobs`), the others ignored; an unknown one is a 400 naming it, as
+//! OpenAI answers (`--lenient-requests` logs it instead). A streamed answer waits for the model's
 //! first piece (or its failure) before sending the 200, so a prompt over the context is still a clean
 //! 400; after that, a failure is reported as an `error` event in the stream.
 //! Reference: <https://platform.openai.com/docs/api-reference/chat>.
@@ -13,7 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix_web::{web, HttpResponse};
 use rand::Rng;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
@@ -24,55 +26,143 @@ use crate::backend::{
 use crate::engine::{CallError, CancelGuard};
 use crate::error::HttpError;
 use crate::state::AppState;
+use crate::strict::{self, Strict};
 
 /// The most stop strings a request may give (OpenAI allows 4).
 const MAX_STOP: usize = 16;
 
-#[derive(Deserialize, Debug)]
+/// The body of `POST /v1/chat/completions`: every parameter of OpenAI's reference, so that a misspelt
+/// one is a 400 (the strict extractor). Grouped by what the server does with it; serve/README.md has the
+/// table.
+#[derive(Serialize, Deserialize, Debug)]
 pub struct ChatRequest {
     pub model: String,
     pub messages: Vec<InMessage>,
-    #[serde(default)]
+    // Used.
     pub max_tokens: Option<usize>,
     /// OpenAI's newer name for `max_tokens`; wins when both are given.
-    #[serde(default)]
     pub max_completion_tokens: Option<usize>,
-    #[serde(default)]
     pub temperature: Option<f64>,
-    #[serde(default)]
     pub top_p: Option<f64>,
-    #[serde(default)]
     pub seed: Option<i64>,
-    #[serde(default)]
     pub stop: Option<Stop>,
-    #[serde(default)]
     pub stream: Option<bool>,
-    #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    #[serde(default)]
+    /// 1 only.
     pub n: Option<u64>,
+    // Refused when they ask for what the server cannot give (see [`refuse_unsupported`]), else ignored.
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub response_format: Option<Value>,
+    pub modalities: Option<Vec<String>>,
+    pub audio: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub function_call: Option<Value>,
+    pub web_search_options: Option<Value>,
+    // Accepted and ignored: hints, bookkeeping, and tools the model never calls.
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub logit_bias: Option<Value>,
+    pub tools: Option<Vec<Value>>,
+    pub functions: Option<Vec<Value>>,
+    pub parallel_tool_calls: Option<bool>,
+    pub prediction: Option<Value>,
+    pub reasoning_effort: Option<String>,
+    pub verbosity: Option<String>,
+    pub user: Option<String>,
+    pub safety_identifier: Option<String>,
+    pub prompt_cache_key: Option<String>,
+    pub prompt_cache_retention: Option<String>,
+    pub metadata: Option<Value>,
+    pub store: Option<bool>,
+    pub service_tier: Option<String>,
 }
 
-#[derive(Deserialize, Debug)]
+#[derive(Serialize, Deserialize, Debug)]
 #[serde(untagged)]
 pub enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
-#[derive(Deserialize, Debug, Default)]
+#[derive(Serialize, Deserialize, Debug, Default)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
+    /// Ignored: the server adds no obfuscation padding.
+    pub include_obfuscation: Option<bool>,
 }
 
 /// A message as sent: `content` is a string, an array of parts, or null; checked by hand for messages
-/// that say which message and part is wrong.
-#[derive(Deserialize, Debug)]
+/// that say which message and part is wrong. `name`, `refusal`, `tool_calls`, `function_call` and
+/// `audio` are ignored (the prompt has the text and images only); `tool_call_id` comes with the `tool`
+/// role, which is refused.
+#[derive(Serialize, Deserialize, Debug)]
 pub struct InMessage {
     pub role: String,
     #[serde(default)]
     pub content: Value,
+    pub name: Option<String>,
+    pub refusal: Option<String>,
+    pub tool_calls: Option<Vec<Value>>,
+    pub tool_call_id: Option<String>,
+    pub function_call: Option<Value>,
+    pub audio: Option<Value>,
+}
+
+/// The content parts, each checked strictly like the request.
+#[derive(Serialize, Deserialize, Debug)]
+struct TextPart {
+    r#type: String,
+    text: String,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct ImagePart {
+    r#type: String,
+    /// `{"url": ...}` as OpenAI documents it; a bare string as some clients send it.
+    image_url: Value,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct ImageUrl {
+    url: String,
+    /// Ignored: the image processor's settings decide the resolution.
+    detail: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct RefusalPart {
+    r#type: String,
+    refusal: String,
+}
+
+/// A 400 for parameters whose value asks for what this server cannot give (anything else it does not use
+/// is ignored).
+fn refuse_unsupported(req: &ChatRequest) -> Result<(), HttpError> {
+    let refuse = |field: &str, why: &str| Err(HttpError::bad_request(format!("{field}: {why}")));
+    if let Some(n) = req.n.filter(|&n| n != 1) {
+        return refuse("n", &format!("{n} choices asked; this server answers n = 1 only"));
+    }
+    if req.logprobs == Some(true) || req.top_logprobs.is_some_and(|k| k > 0) {
+        return refuse("logprobs", "this server does not return log probabilities; leave it out or false");
+    }
+    let format = req.response_format.as_ref().map(|f| f.get("type").and_then(Value::as_str).unwrap_or("?"));
+    if format.is_some_and(|t| t != "text") {
+        return refuse("response_format", "only `text`: the model writes its own action JSON");
+    }
+    if req.modalities.as_ref().is_some_and(|m| m.iter().any(|m| m != "text")) || req.audio.is_some() {
+        return refuse("modalities", "this server answers text only (no `audio`)");
+    }
+    for (field, choice) in [("tool_choice", &req.tool_choice), ("function_call", &req.function_call)] {
+        if choice.as_ref().is_some_and(|c| c != "none" && c != "auto") {
+            return refuse(field, "the model does not call tools; use `none` or `auto`, or leave it out");
+        }
+    }
+    if req.web_search_options.is_some() {
+        return refuse("web_search_options", "this server does not search the web");
+    }
+    Ok(())
 }
 
 fn unix_now() -> u64 {
@@ -95,7 +185,11 @@ fn resolve_model(state: &AppState, info: &BackendInfo, model: &str) -> Result<Op
 }
 
 /// The messages, images decoded.
-async fn convert_messages(state: &AppState, messages: Vec<InMessage>) -> Result<Vec<ChatMessage>, HttpError> {
+async fn convert_messages(
+    state: &AppState,
+    messages: Vec<InMessage>,
+    lenient: bool,
+) -> Result<Vec<ChatMessage>, HttpError> {
     if messages.is_empty() {
         return Err(HttpError::bad_request("messages: empty; send at least one user message"));
     }
@@ -118,7 +212,7 @@ async fn convert_messages(state: &AppState, messages: Vec<InMessage>) -> Result<
             Value::Null if role == ChatRole::Assistant => {}
             Value::Array(items) => {
                 for (j, item) in items.into_iter().enumerate() {
-                    parts.push(convert_part(state, item, i, j).await?);
+                    parts.push(convert_part(state, item, i, j, lenient).await?);
                 }
             }
             _ => {
@@ -135,22 +229,20 @@ async fn convert_messages(state: &AppState, messages: Vec<InMessage>) -> Result<
     Ok(out)
 }
 
-async fn convert_part(state: &AppState, item: Value, i: usize, j: usize) -> Result<ChatPart, HttpError> {
-    let bad = |what: &str| HttpError::bad_request(format!("messages[{i}].content[{j}]: {what}"));
+async fn convert_part(state: &AppState, item: Value, i: usize, j: usize, lenient: bool) -> Result<ChatPart, HttpError> {
+    let at = format!("messages[{i}].content[{j}]");
+    let bad = |what: &str| HttpError::bad_request(format!("{at}: {what}"));
     let kind = item.get("type").and_then(Value::as_str).ok_or_else(|| bad("a part needs a string `type`"))?;
     match kind {
-        "text" => {
-            let text = item.get("text").and_then(Value::as_str).ok_or_else(|| bad("a text part needs `text`"))?;
-            Ok(ChatPart::Text(text.to_string()))
-        }
+        "text" => Ok(ChatPart::Text(strict::from_value::<TextPart>(&item, &at, lenient)?.text)),
+        "refusal" => Ok(ChatPart::Text(strict::from_value::<RefusalPart>(&item, &at, lenient)?.refusal)),
         "image_url" => {
-            // `{"url": ...}` as OpenAI documents it; a bare string as some clients send it.
-            let url = match item.get("image_url") {
-                Some(Value::String(u)) => u.as_str(),
-                Some(v) => v.get("url").and_then(Value::as_str).ok_or_else(|| bad("`image_url` needs a `url`"))?,
-                None => return Err(bad("an image_url part needs `image_url`")),
+            let part = strict::from_value::<ImagePart>(&item, &at, lenient)?;
+            let url = match part.image_url {
+                Value::String(u) => u,
+                v => strict::from_value::<ImageUrl>(&v, &format!("{at}.image_url"), lenient)?.url,
             };
-            let bytes = crate::images::data_url_bytes(url, "image_url.url").map_err(|e| bad(&e.message))?;
+            let bytes = crate::images::data_url_bytes(&url, "image_url.url").map_err(|e| bad(&e.message))?;
             let image =
                 decode_image(state, bytes, "image_url").await.map_err(|e| match e.status.is_client_error() {
                     true => bad(&e.message),
@@ -183,16 +275,12 @@ fn usage_json(out: &ChatOutput) -> Value {
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     state: web::Data<AppState>,
-    body: web::Json<ChatRequest>,
+    body: Strict<ChatRequest>,
 ) -> Result<HttpResponse, HttpError> {
     let req = body.into_inner();
     let info = state.engine.info()?;
     let adapter = resolve_model(&state, &info, &req.model)?;
-    if let Some(n) = req.n {
-        if n != 1 {
-            return Err(HttpError::bad_request(format!("n: {n} choices asked; this server answers n = 1 only")));
-        }
-    }
+    refuse_unsupported(&req)?;
     let temperature = req.temperature.unwrap_or(0.0);
     if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
         return Err(HttpError::bad_request(format!("temperature: must be in 0..=2, got {temperature}")));
@@ -214,7 +302,7 @@ pub async fn chat_completions(
     if stop.len() > MAX_STOP || stop.iter().any(|s| s.is_empty()) {
         return Err(HttpError::bad_request(format!("stop: at most {MAX_STOP} non-empty strings")));
     }
-    let messages = convert_messages(&state, req.messages).await?;
+    let messages = convert_messages(&state, req.messages, state.config.lenient_requests).await?;
     let job = ChatJob { messages, max_tokens, temperature, top_p, seed: req.seed.map(|s| s as u64), stop };
     let meta = Meta {
         id: format!("chatcmpl-{:024x}", rand::rng().random::<u128>() >> 32),

@@ -163,6 +163,9 @@ fn chat_completions_plain_and_streamed() {
         ]}
     ]);
     let r = post(&url, &json!({"model": MODEL, "messages": messages, "temperature": 0, "future_field": [1]}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.message().starts_with("unknown field `future_field`; the known fields of the request are: model,"));
+    let r = post(&url, &json!({"model": MODEL, "messages": messages, "temperature": 0, "user": "u-7", "seed": 3}));
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
     assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
