@@ -110,18 +110,27 @@ pub struct InMessage {
     pub audio: Option<Value>,
 }
 
-/// The content parts, each checked strictly like the request.
+/// A content part, by its `type` (OpenAI's five); checked strictly like the request.
 #[derive(Serialize, Deserialize, Debug)]
-struct TextPart {
-    r#type: String,
-    text: String,
-}
-
-#[derive(Serialize, Deserialize, Debug)]
-struct ImagePart {
-    r#type: String,
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Part {
+    Text {
+        text: String,
+    },
     /// `{"url": ...}` as OpenAI documents it; a bare string as some clients send it.
-    image_url: Value,
+    ImageUrl {
+        image_url: Value,
+    },
+    /// In an assistant message: what it declined, kept as its text.
+    Refusal {
+        refusal: String,
+    },
+    InputAudio {
+        input_audio: Value,
+    },
+    File {
+        file: Value,
+    },
 }
 
 #[derive(Serialize, Deserialize, Debug)]
@@ -129,12 +138,6 @@ struct ImageUrl {
     url: String,
     /// Ignored: the image processor's settings decide the resolution.
     detail: Option<String>,
-}
-
-#[derive(Serialize, Deserialize, Debug)]
-struct RefusalPart {
-    r#type: String,
-    refusal: String,
 }
 
 /// A 400 for parameters whose value asks for what this server cannot give (anything else it does not use
@@ -232,29 +235,22 @@ async fn convert_messages(
 async fn convert_part(state: &AppState, item: Value, i: usize, j: usize, lenient: bool) -> Result<ChatPart, HttpError> {
     let at = format!("messages[{i}].content[{j}]");
     let bad = |what: &str| HttpError::bad_request(format!("{at}: {what}"));
-    let kind = item.get("type").and_then(Value::as_str).ok_or_else(|| bad("a part needs a string `type`"))?;
-    match kind {
-        "text" => Ok(ChatPart::Text(strict::from_value::<TextPart>(&item, &at, lenient)?.text)),
-        "refusal" => Ok(ChatPart::Text(strict::from_value::<RefusalPart>(&item, &at, lenient)?.refusal)),
-        "image_url" => {
-            let part = strict::from_value::<ImagePart>(&item, &at, lenient)?;
-            let url = match part.image_url {
-                Value::String(u) => u,
-                v => strict::from_value::<ImageUrl>(&v, &format!("{at}.image_url"), lenient)?.url,
-            };
-            let bytes = crate::images::data_url_bytes(&url, "image_url.url").map_err(|e| bad(&e.message))?;
-            let image =
-                decode_image(state, bytes, "image_url").await.map_err(|e| match e.status.is_client_error() {
-                    true => bad(&e.message),
-                    false => e,
-                })?;
-            Ok(ChatPart::Image(image))
+    let url = match strict::from_value::<Part>(&item, &at, lenient)? {
+        Part::Text { text } | Part::Refusal { refusal: text } => return Ok(ChatPart::Text(text)),
+        Part::InputAudio { .. } | Part::File { .. } => {
+            return Err(bad("audio and file parts are not supported; use text or image_url"))
         }
-        other => {
-            let shown: String = other.chars().take(40).collect();
-            Err(bad(&format!("part type `{shown}` is not supported; use text or image_url")))
+        Part::ImageUrl { image_url: Value::String(url) } => url,
+        Part::ImageUrl { image_url } => {
+            strict::from_value::<ImageUrl>(&image_url, &format!("{at}.image_url"), lenient)?.url
         }
-    }
+    };
+    let bytes = crate::images::data_url_bytes(&url, "image_url.url").map_err(|e| bad(&e.message))?;
+    let image = decode_image(state, bytes, "image_url").await.map_err(|e| match e.status.is_client_error() {
+        true => bad(&e.message),
+        false => e,
+    })?;
+    Ok(ChatPart::Image(image))
 }
 
 fn finish_str(f: FinishReason) -> &'static str {

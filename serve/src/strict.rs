@@ -83,8 +83,7 @@ fn parse<T: DeserializeOwned>(body: &Value, base: &str) -> Result<T, String> {
     serde_path_to_error::deserialize(body).map_err(|e| {
         let path = match e.path().to_string() {
             p if p == "." => base.to_string(),
-            p if p.starts_with('[') => format!("{base}{p}"),
-            p => join(base, &p),
+            p => under(base, &p),
         };
         match path.is_empty() {
             true => e.inner().to_string(),
@@ -115,6 +114,15 @@ fn join(path: &str, key: &str) -> String {
     match path.is_empty() {
         true => key.to_string(),
         false => format!("{path}.{key}"),
+    }
+}
+
+/// `rel` (a path inside the value at `base`) as a path in the request.
+fn under(base: &str, rel: &str) -> String {
+    match rel {
+        "" => base.to_string(),
+        r if r.starts_with('[') => format!("{base}{r}"),
+        r => join(base, r),
     }
 }
 
@@ -207,10 +215,7 @@ fn misspelt_required<T: DeserializeOwned + Serialize>(body: &Value, base: &str, 
         let known = Shape::of(&parsed).fields(obj)?.to_vec();
         // A known field that happens to fit the missing one's type is not the culprit.
         if !known.contains(&key) {
-            let parent = match (base, obj) {
-                (b, o) if o.starts_with('[') => format!("{b}{o}"),
-                (b, o) => join(b, o),
-            };
+            let parent = under(base, obj);
             let path = join(&parent, key);
             return Some(UnknownField { path, parent, known, meant: Some(missing.to_string()) });
         }
