@@ -136,6 +136,9 @@ pub struct Config {
     /// Log request fields the server does not know, instead of refusing the request with a 400.
     #[arg(long, env = "ASKGUI_SERVE_LENIENT_REQUESTS")]
     pub lenient_requests: bool,
+    /// When the model fails to load, keep serving /health and 503s instead of exiting non-zero.
+    #[arg(long, env = "ASKGUI_SERVE_STAY_UP_ON_LOAD_FAILURE")]
+    pub stay_up_on_load_failure: bool,
     /// Serve the deterministic stub backend instead of a model (front-end development, smoke tests).
     #[arg(long, env = "ASKGUI_SERVE_STUB", hide = true)]
     pub stub: bool,

@@ -18,7 +18,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
 use thiserror::Error;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::backend::{Backend, BackendError, BackendInfo, Intake, Job, JobKind, JobOutput};
 use crate::metrics::Metrics;
@@ -65,6 +65,8 @@ pub enum CallError {
 
 struct Shared {
     state: RwLock<LoadState>,
+    /// Flips to true once loading has ended, ready or failed.
+    settled: watch::Sender<bool>,
     depth: AtomicUsize,
     metrics: Arc<Metrics>,
 }
@@ -114,20 +116,32 @@ impl Engine {
     pub fn start(factory: BackendFactory, max_queue: usize, max_batch: usize, metrics: Arc<Metrics>) -> Self {
         let max_queue = max_queue.max(1);
         let (tx, rx) = sync_channel(max_queue);
-        let shared = Arc::new(Shared { state: RwLock::new(LoadState::Loading), depth: AtomicUsize::new(0), metrics });
+        let shared = Arc::new(Shared {
+            state: RwLock::new(LoadState::Loading),
+            settled: watch::Sender::new(false),
+            depth: AtomicUsize::new(0),
+            metrics,
+        });
         let thread_shared = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("askgui-backend".into())
             .spawn(move || backend_thread(factory, rx, thread_shared, max_batch.max(1)));
         if let Err(e) = spawned {
-            *shared.state.write().unwrap_or_else(|p| p.into_inner()) =
-                LoadState::Failed(format!("cannot start the backend thread: {e}"));
+            shared.set_state(LoadState::Failed(format!("cannot start the backend thread: {e}")));
         }
         Self { tx, shared, max_queue }
     }
 
     pub fn state(&self) -> LoadState {
         self.shared.state.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The state once loading has ended: `Ready` or `Failed`, never `Loading`.
+    pub async fn settled(&self) -> LoadState {
+        let mut rx = self.shared.settled.subscribe();
+        // The sender lives in `shared`, which `self` holds: waiting cannot fail.
+        let _ = rx.wait_for(|done| *done).await;
+        self.state()
     }
 
     /// The backend's description, once it is ready.
@@ -256,8 +270,16 @@ impl Intake for Queue<'_> {
     }
 }
 
+impl Shared {
+    fn set_state(&self, s: LoadState) {
+        let settled = !matches!(s, LoadState::Loading);
+        *self.state.write().unwrap_or_else(|p| p.into_inner()) = s;
+        self.settled.send_replace(settled);
+    }
+}
+
 fn backend_thread(factory: BackendFactory, rx: Receiver<Job>, shared: Arc<Shared>, max_batch: usize) {
-    let set_state = |s: LoadState| *shared.state.write().unwrap_or_else(|p| p.into_inner()) = s;
+    let set_state = |s: LoadState| shared.set_state(s);
     let started = Instant::now();
     let mut backend = match catch_unwind(AssertUnwindSafe(factory)) {
         Ok(Ok(backend)) => backend,

@@ -50,9 +50,8 @@ fn main() -> anyhow::Result<()> {
             cfg.check().map_err(anyhow::Error::msg)?;
             let for_thread = cfg.clone();
             let factory: askgui_serve::BackendFactory = Box::new(move || load_backend(&for_thread));
-            actix_web::rt::System::new()
-                .block_on(askgui_serve::run(cfg, factory))
-                .context("the server stopped with an error")
+            // The error says what failed and what to do (a port in use, a model that did not load).
+            actix_web::rt::System::new().block_on(askgui_serve::run(cfg, factory)).map_err(anyhow::Error::from)
         }
     }
 }

@@ -1,14 +1,15 @@
 //! The HTTP server: routes, the two middlewares (metrics outermost, then the API key), `/health`,
 //! `/metrics`, JSON 404/405 answers, and the ways to run it: [`run`] for the binary (SIGTERM/SIGINT drain
-//! in-flight requests, then the backend thread ends with the last engine handle) and [`start`] for tests
-//! and embedding (a background thread on a free port, stopped through the returned [`ServerHandle`]).
+//! in-flight requests, then the backend thread ends with the last engine handle; a model that fails to
+//! load ends it with the loader's message) and [`start`] for tests and embedding (a background thread on
+//! a free port, stopped through the returned [`ServerHandle`]; a failed load stays visible on `/health`).
 //!
 //! HTTP/1 half-closed connections are not allowed: when a client closes the connection, actix drops
 //! the request's handler future at once, whose guard flags the job cancelled (see `engine.rs`).
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use actix_web::body::{BoxBody, MessageBody};
@@ -170,11 +171,25 @@ fn spawn_sweeper(state: Weak<AppState>, every: Duration) {
     });
 }
 
+/// The listening socket, or an error that says which address and what to do about it.
+fn listen(host: &str, port: u16) -> io::Result<TcpListener> {
+    TcpListener::bind((host, port)).map_err(|e| {
+        let hint = match e.kind() {
+            io::ErrorKind::AddrInUse => format!(
+                "port {port} is in use (another askgui-serve?); pick another with --port, or --port 0 for a free one"
+            ),
+            io::ErrorKind::PermissionDenied => format!("port {port} needs privileges here; use a port above 1023"),
+            _ => format!("check --host {host} and --port {port}"),
+        };
+        io::Error::new(e.kind(), format!("cannot listen on {host}:{port}: {e}; {hint}"))
+    })
+}
+
 /// Binds and builds the server (inside an actix system); the backend starts loading at once.
 fn bind(config: Config, factory: BackendFactory, signals: bool) -> io::Result<(Server, SocketAddr, Arc<AppState>)> {
     config.check().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     tracing::info!(config = %config.to_log_line(), "askgui-serve starting");
-    let listener = TcpListener::bind((config.host.as_str(), config.port))?;
+    let listener = listen(&config.host, config.port)?;
     let addr = listener.local_addr()?;
     let workers = config.workers;
     let state = web::Data::new(AppState::new(config, factory));
@@ -204,9 +219,33 @@ fn bind(config: Config, factory: BackendFactory, signals: bool) -> io::Result<(S
 
 /// Serves until SIGINT/SIGTERM (then drains in-flight requests, up to 30 s). Call from an actix system,
 /// e.g. `actix_web::rt::System::new().block_on(run(config, factory))`.
+///
+/// A model that fails to load stops the server with the loader's message as the error (a process
+/// supervisor then sees the failure, as with TEI), unless `--stay-up-on-load-failure` keeps it up with
+/// `/health` saying `failed` and every inference a 503.
 pub async fn run(config: Config, factory: BackendFactory) -> io::Result<()> {
-    let (server, _, _) = bind(config, factory, true)?;
-    server.await
+    let (stay_up, model) = (config.stay_up_on_load_failure, config.model.clone());
+    let (server, _, state) = bind(config, factory, true)?;
+    let handle = server.handle();
+    let failed: Arc<Mutex<Option<String>>> = Arc::default();
+    let slot = failed.clone();
+    actix_web::rt::spawn(async move {
+        let LoadState::Failed(why) = state.engine.settled().await else { return };
+        if stay_up {
+            tracing::warn!("staying up with a failed model (--stay-up-on-load-failure): every inference is a 503");
+            return;
+        }
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+        handle.stop(false).await;
+    });
+    server.await?;
+    let why = failed.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match why {
+        Some(why) => Err(io::Error::other(format!(
+            "the model `{model}` failed to load: {why} (--stay-up-on-load-failure keeps the server up instead)"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// A server running on a background thread.
