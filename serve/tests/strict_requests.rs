@@ -132,7 +132,7 @@ fn known_keys(bodies: &[(String, Value)]) -> BTreeSet<String> {
         }
     }
     let mut out = BTreeSet::new();
-    bodies.iter().for_each(|(_, b)| keys(&b, &mut out));
+    bodies.iter().for_each(|(_, b)| keys(b, &mut out));
     out
 }
 
@@ -214,7 +214,7 @@ fn three_hundred_misspelt_or_extra_fields_are_each_a_400_naming_the_field() {
         if !old.is_empty() {
             misspelt += 1;
             // The known fields listed are those of the object the misspelt key is in.
-            let listed = m.split("are: ").nth(1).unwrap_or("").split(|c| c == ';' || c == ' ').collect::<Vec<_>>();
+            let listed = m.split("are: ").nth(1).unwrap_or("").split([';', ' ']).collect::<Vec<_>>();
             assert!(listed.iter().any(|k| k.trim_end_matches(',') == old), "case {i}: `{old}` not listed: {m}");
         }
         let level: String =
