@@ -33,7 +33,8 @@ enum Command {
         /// The dataset's format.
         #[arg(value_enum)]
         format: Format,
-        /// The dataset folder (screenagent, gui-odyssey) or JSONL file (android-control, mind2web).
+        /// The dataset folder (screenagent, gui-odyssey), JSONL file (mind2web), or for android-control its
+        /// TFRecord files (one, or a folder of the published `android_control-*-of-*`) or a JSONL export.
         #[arg(long)]
         input: PathBuf,
         /// Output folder: episodes.jsonl and images/.
@@ -42,6 +43,9 @@ enum Command {
         /// Skip and count bad records (truncated, wrong schema, missing image) instead of stopping at the first.
         #[arg(long)]
         skip_bad_records: bool,
+        /// android-control only: its split file (splits.json); also writes train/val/test.jsonl by its episode ids.
+        #[arg(long)]
+        splits: Option<PathBuf>,
     },
     /// Divide an episode file into train/val/test files beside it: whole episodes, seeded, by ratio or count.
     Split(split::SplitArgs),
@@ -110,11 +114,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             println!("{} steps, {} ambiguous episodes", r.steps, r.ambiguous);
         }
-        Command::Convert { format, input, out, skip_bad_records } => {
+        Command::Convert { format, input, out, skip_bad_records, splits } => {
             let opts = convert::ConvertOptions { skip_bad_records };
+            if splits.is_some() && !matches!(format, Format::AndroidControl) {
+                anyhow::bail!("--splits is for android-control only (other datasets: `askgui-data split`)");
+            }
             let r = match format {
                 Format::Screenagent => convert::convert_screenagent_with(&input, &out, opts),
-                Format::AndroidControl => convert::convert_android_control_with(&input, &out, opts),
+                Format::AndroidControl => convert::convert_android_control_split(&input, splits.as_deref(), &out, opts),
                 Format::Mind2web => convert::convert_mind2web_with(&input, &out, opts),
                 Format::GuiOdyssey => convert::convert_gui_odyssey_with(&input, &out, opts),
             }
@@ -132,6 +139,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 out.join("episodes.jsonl").display(),
                 r.skipped.len()
             );
+            for (name, file, n) in &r.splits {
+                println!("{name}: {n} episodes -> {}", file.display());
+            }
+            if splits.is_some() && r.unsplit > 0 {
+                println!("{} episodes are in no split of the split file (only in episodes.jsonl)", r.unsplit);
+            }
         }
         Command::Split(args) => {
             for (name, file, n) in split::split(&args)? {

@@ -36,6 +36,11 @@ pub struct ConvertReport {
     pub skipped: Vec<String>,
     /// How many records or actions were skipped, by reason ([`BAD_RECORD`] for the bad ones).
     pub skip_counts: BTreeMap<String, usize>,
+    /// With a split file (AndroidControl): the split files written beside `episodes.jsonl`, as
+    /// `(split, file, episodes)`.
+    pub splits: crate::split::SplitReport,
+    /// With a split file: converted episodes that are in none of its splits (they are in `episodes.jsonl` only).
+    pub unsplit: usize,
 }
 
 /// The reason under which bad records are counted when they are skipped.
@@ -63,6 +68,10 @@ pub enum ConvertError {
     NothingConverted { input: PathBuf, count: usize, first: String },
     #[error("{at}: {why} (fix or remove that record, or pass --skip-bad-records to skip it and go on)")]
     BadRecord { at: String, why: String },
+    #[error(
+        "{path}: {why} (a split file is a JSON object of episode id lists by split, like AndroidControl's splits.json)"
+    )]
+    SplitFile { path: PathBuf, why: String },
     #[error("writing the episodes: {0}")]
     Write(#[from] EpisodeError),
 }
@@ -373,11 +382,13 @@ fn direction(d: &str) -> Result<Direction, String> {
 }
 
 mod android_control;
+mod android_control_a11y;
+mod android_control_tfrecord;
 mod gui_odyssey;
 mod mind2web;
 mod screenagent;
 
-pub use android_control::{convert_android_control, convert_android_control_with};
+pub use android_control::{convert_android_control, convert_android_control_split, convert_android_control_with};
 pub use gui_odyssey::{convert_gui_odyssey, convert_gui_odyssey_with};
 pub use mind2web::{convert_mind2web, convert_mind2web_with};
 pub use screenagent::{convert_screenagent, convert_screenagent_with, key_name};
