@@ -61,7 +61,7 @@ use thiserror::Error;
 
 use crate::action::{Action, Turn};
 use crate::episode::{Element, Screen};
-use crate::frame::{FrameKind, FrameMap};
+use crate::frame::{rescale, FrameKind, FrameMap};
 
 /// The path of the step call, relative to the server root.
 pub const STEP_PATH: &str = "/v1/agent/step";
@@ -130,6 +130,41 @@ pub struct StepOptions {
     /// only when the decoded answer is an `ask`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause_threshold: Option<f64>,
+    /// The frame the answer's `action` is written in: screen pixels when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coordinates: Option<Coordinates>,
+}
+
+/// The coordinate frames front ends use for an answer's `action`.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(tag = "frame", rename_all = "snake_case")]
+pub enum Coordinates {
+    /// Pixels of the screen (`observation.screen`, else the screenshot).
+    Screen,
+    /// 0..1000 across the width and down the height (UI-TARS, Qwen2-VL grounding).
+    Relative1000,
+    /// Pixels of a size the client declares, as Agent S3 declares its grounding size.
+    Grounding { width: u32, height: u32 },
+}
+
+/// The largest declared grounding side.
+const MAX_GROUNDING_SIDE: u32 = 100_000;
+
+impl Coordinates {
+    /// The frame's size for a `screen` of `(width, height)` pixels.
+    pub fn size(&self, screen: (u32, u32)) -> (u32, u32) {
+        match *self {
+            Coordinates::Screen => screen,
+            Coordinates::Relative1000 => (1000, 1000),
+            Coordinates::Grounding { width, height } => (width, height),
+        }
+    }
+
+    /// `action`, given in pixels of `screen`, in this frame.
+    pub fn from_screen(&self, action: &Action, screen: (u32, u32)) -> Action {
+        let size = self.size(screen);
+        action.map_points(|x, y| (rescale(x, screen.0, size.0), rescale(y, screen.1, size.1)))
+    }
 }
 
 impl StepOptions {
@@ -220,6 +255,14 @@ impl StepOptions {
                 return Err(invalid("options.pause_threshold", format!("must be in 0..=1, got {p}")));
             }
         }
+        if let Some(Coordinates::Grounding { width, height }) = self.coordinates {
+            if !(1..=MAX_GROUNDING_SIDE).contains(&width) || !(1..=MAX_GROUNDING_SIDE).contains(&height) {
+                return Err(invalid(
+                    "options.coordinates",
+                    format!("a grounding size of {width}x{height}; each side must be 1..={MAX_GROUNDING_SIDE}"),
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -227,8 +270,14 @@ impl StepOptions {
 /// The answer to `POST /v1/agent/step`.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct AgentStepResponse {
-    /// The next action, in screen pixels.
+    /// The next action, in screen pixels, or in `options.coordinates` when the request gave them.
     pub action: Action,
+    /// The frame `action` is in, when the request asked for one other than screen pixels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coordinates: Option<Coordinates>,
+    /// The action in screen pixels, when `action` is in another frame.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub screen_action: Option<Action>,
     /// The same action in the model's frame, as the model wrote it (see `frame`).
     pub model_action: Action,
     pub frame: FrameInfo,
@@ -253,6 +302,19 @@ pub struct FrameInfo {
     pub model: Screen,
     /// Model frame units per screen pixel, `[sx, sy]`.
     pub resize_factors: (f64, f64),
+}
+
+impl AgentStepResponse {
+    /// The answer with its `action` in `coordinates` (screen pixels when `None` or `Screen`); the
+    /// screen-pixel action moves to `screen_action`.
+    pub fn in_coordinates(mut self, coordinates: Option<Coordinates>) -> Self {
+        let Some(c) = coordinates.filter(|c| *c != Coordinates::Screen) else { return self };
+        let screen = (self.frame.screen.width, self.frame.screen.height);
+        let action = c.from_screen(&self.action, screen);
+        self.screen_action = Some(std::mem::replace(&mut self.action, action));
+        self.coordinates = Some(c);
+        self
+    }
 }
 
 impl From<&FrameMap> for FrameInfo {
@@ -407,6 +469,7 @@ mod tests {
                 seed: Some(7),
                 constrain: Some(true),
                 pause_threshold: Some(0.5),
+                coordinates: None,
             },
         }
     }
@@ -418,6 +481,8 @@ mod tests {
         AgentStepResponse {
             raw: model_action.render(),
             action,
+            coordinates: None,
+            screen_action: None,
             model_action,
             frame: FrameInfo::from(&m),
             ask_probability: Some(0.04),

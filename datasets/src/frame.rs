@@ -102,6 +102,11 @@ impl FrameMap {
     }
 }
 
+/// Pixel position `v` of an axis `from` long, in an axis `to` long (pixel centres scale, as [`scale`]).
+pub fn rescale(v: i32, from: u32, to: u32) -> i32 {
+    scale(v, f64::from(to) / f64::from(from.max(1)), to)
+}
+
 /// Maps a pixel *position* through a scale: pixel centres scale (`(x + 0.5) * s - 0.5`), so that the
 /// round trip screen -> model -> screen lands within one model unit of where it started.
 fn scale(v: i32, s: f64, extent: u32) -> i32 {

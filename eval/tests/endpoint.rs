@@ -115,6 +115,8 @@ fn answer() -> AgentStepResponse {
     AgentStepResponse {
         raw: format!("Thought: the 1 litre carton.\n{}", model_action.render()),
         action,
+        coordinates: None,
+        screen_action: None,
         model_action,
         frame: FrameInfo::from(&frame),
         ask_probability: Some(0.03),

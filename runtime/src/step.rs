@@ -46,6 +46,8 @@ impl StepOutput {
         })?;
         Ok(AgentStepResponse {
             action,
+            coordinates: None,
+            screen_action: None,
             model_action,
             frame: FrameInfo::from(&self.frame),
             raw: self.raw,

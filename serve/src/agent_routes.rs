@@ -88,11 +88,11 @@ pub async fn run_step(state: &AppState, mut req: AgentStepRequest) -> Result<Age
         Some(bytes) => Some(decode_image(state, bytes, "observation.screenshot").await?),
         None => None,
     };
-    let adapter = req.adapter.clone();
+    let (adapter, coordinates) = (req.adapter.clone(), req.options.coordinates);
     match state.engine.call(JobKind::Step(StepJob { request: req, screenshot }), adapter).await? {
         JobOutput::Step(resp) => {
             state.engine.metrics().tokens(resp.usage.prompt_tokens, resp.usage.completion_tokens);
-            Ok(*resp)
+            Ok(resp.in_coordinates(coordinates))
         }
         JobOutput::Chat(_) => Err(HttpError::internal("the backend answered a step with a chat completion")),
     }

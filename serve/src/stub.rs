@@ -151,6 +151,8 @@ impl StubBackend {
         let prompt_tokens = words(&req.task) + req.history.len() + image_tokens;
         Ok(JobOutput::Step(Box::new(AgentStepResponse {
             action,
+            coordinates: None,
+            screen_action: None,
             model_action,
             frame: FrameInfo::from(&frame),
             ask_probability: Some(if req.task.contains('?') && !answered { 0.9 } else { 0.1 }),

@@ -105,6 +105,36 @@ fn a_session_asks_takes_the_answer_and_goes_on() {
 }
 
 #[test]
+fn agent_step_answers_in_the_frame_the_request_asks_for() {
+    let (server, _) = serve();
+    let url = server.url("/v1/agent/step");
+    // The stub clicks the centre of a 64x48 screen: (32, 24). Pixel centres scale: (v + 0.5) * to / from
+    // - 0.5, rounded. Relative 0..1000: x = 32.5 * 15.625 - 0.5 = 507.3 -> 507, y = 24.5 * 20.833 - 0.5
+    // = 509.9 -> 510.
+    let mut body = step_body("Open the settings", 64, 48);
+    body["options"] = json!({"coordinates": {"frame": "relative1000"}});
+    let v = post(&url, &body).json();
+    assert_eq!(v["action"], json!({"action": "click", "x": 507, "y": 510}), "{v}");
+    assert_eq!(v["screen_action"], json!({"action": "click", "x": 32, "y": 24}));
+    assert_eq!(v["coordinates"], json!({"frame": "relative1000"}));
+    // A declared grounding size of 1920x1080: x = 32.5 * 30 - 0.5 = 974.5 -> 975, y = 24.5 * 22.5 - 0.5
+    // = 550.75 -> 551.
+    body["options"] = json!({"coordinates": {"frame": "grounding", "width": 1920, "height": 1080}});
+    let v = post(&url, &body).json();
+    assert_eq!(v["action"], json!({"action": "click", "x": 975, "y": 551}), "{v}");
+    // Screen pixels, asked for or not, answer as before: no second action.
+    body["options"] = json!({"coordinates": {"frame": "screen"}});
+    let v = post(&url, &body).json();
+    assert_eq!((&v["action"], v.get("screen_action")), (&json!({"action": "click", "x": 32, "y": 24}), None));
+    // A grounding size that cannot be is the client's error, named.
+    body["options"] = json!({"coordinates": {"frame": "grounding", "width": 0, "height": 1080}});
+    let r = post(&url, &body);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.message().contains("options.coordinates"), "{}", r.body);
+    server.stop();
+}
+
+#[test]
 fn sessions_are_capped_and_steps_on_one_session_do_not_overlap() {
     let mut cfg = config();
     cfg.max_sessions = 2;

@@ -111,6 +111,7 @@ impl DecodingArgs {
             seed: self.seed,
             constrain: self.constrain,
             pause_threshold: self.pause_threshold,
+            coordinates: None,
         }
     }
 
