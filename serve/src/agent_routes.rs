@@ -122,6 +122,18 @@ pub struct CreateSession {
     pub adapter: Option<String>,
     #[serde(default)]
     pub options: StepOptions,
+    /// What the user states for the whole session ("I am vegan"): kept in every step's context.
+    #[serde(default)]
+    pub remember: Vec<String>,
+}
+
+/// `POST /v1/sessions/{id}/tasks` body: the next task of the same user.
+#[derive(Serialize, Deserialize, Debug)]
+pub struct NextTask {
+    pub task: String,
+    /// More statements to keep, as at creation.
+    #[serde(default)]
+    pub remember: Vec<String>,
 }
 
 #[derive(Serialize, Debug)]
@@ -150,7 +162,8 @@ pub async fn create_session(
     state: web::Data<AppState>,
     body: Strict<CreateSession>,
 ) -> Result<HttpResponse, HttpError> {
-    let CreateSession { task, adapter, options } = body.into_inner();
+    let CreateSession { task, adapter, options, remember } = body.into_inner();
+    check_remember(&remember)?;
     // The stateless request's checks, on a request with a stand-in observation.
     let probe = AgentStepRequest {
         task,
@@ -167,7 +180,7 @@ pub async fn create_session(
     let info = state.engine.info()?;
     check_adapter(&info, probe.adapter.as_deref())?;
     check_max_tokens(probe.options.max_tokens, state.config.max_tokens as usize, &info, "options.max_tokens")?;
-    let id = state.sessions.create(probe.task, probe.adapter, probe.options)?;
+    let id = state.sessions.create(probe.task, probe.adapter, probe.options, remember)?;
     tracing::debug!(session = %id, "session created");
     Ok(HttpResponse::Created()
         .insert_header((header::LOCATION, format!("/v1/sessions/{id}")))
@@ -184,15 +197,15 @@ pub async fn session_step(
     let SessionStep { observation, options } = body.into_inner();
     let (session, lease) = state.sessions.begin_step(&id)?;
     let req = AgentStepRequest {
+        history: session.context(),
         task: session.task,
         observation,
-        history: session.history,
         adapter: session.adapter,
         options: options.unwrap_or(session.options),
     };
     // On an error (or the client leaving) the lease is dropped: the session is freed, its history unchanged.
     let resp = run_step(&state, req).await?;
-    state.sessions.finish_step(lease, resp.action.clone());
+    state.sessions.finish_step(lease, resp.screen_action.clone().unwrap_or_else(|| resp.action.clone()));
     Ok(HttpResponse::Ok().json(resp))
 }
 
@@ -207,6 +220,29 @@ pub async fn session_say(
         return Err(HttpError::bad_request("text: empty (the user's answer to the agent's question)"));
     }
     Ok(HttpResponse::Ok().json(state.sessions.say(&id, text)?))
+}
+
+/// `POST /v1/sessions/{id}/tasks`: the next task in the same session; the finished task's questions and
+/// answers (and `remember`) stay in the context of the steps to come.
+pub async fn next_task(
+    state: web::Data<AppState>,
+    id: web::Path<String>,
+    body: Strict<NextTask>,
+) -> Result<HttpResponse, HttpError> {
+    let NextTask { task, remember } = body.into_inner();
+    if task.trim().is_empty() {
+        return Err(HttpError::bad_request("task: empty (the user's next task)"));
+    }
+    check_remember(&remember)?;
+    Ok(HttpResponse::Ok().json(state.sessions.next_task(&id, task, remember)?))
+}
+
+/// Statements to remember must say something.
+fn check_remember(remember: &[String]) -> Result<(), HttpError> {
+    match remember.iter().position(|r| r.trim().is_empty()) {
+        Some(i) => Err(HttpError::bad_request(format!("remember[{i}]: empty; leave it out or say something"))),
+        None => Ok(()),
+    }
 }
 
 /// `GET /v1/sessions/{id}`.

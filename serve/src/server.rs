@@ -155,6 +155,7 @@ pub fn configure(state: web::Data<AppState>) -> impl Fn(&mut web::ServiceConfig)
             )
             .service(resource("/v1/sessions/{id}/step", "POST").route(web::post().to(agent_routes::session_step)))
             .service(resource("/v1/sessions/{id}/say", "POST").route(web::post().to(agent_routes::session_say)))
+            .service(resource("/v1/sessions/{id}/tasks", "POST").route(web::post().to(agent_routes::next_task)))
             .service(resource("/v1/chat/completions", "POST").route(web::post().to(openai::chat_completions)))
             .service(resource("/v1/models", "GET").route(web::get().to(openai::models)));
     }

@@ -9,6 +9,11 @@
 //! - Steps on one session are serialised by refusal: while a step is running, another step or a say on
 //!   the same session answers 409. Two concurrent steps would both be predicted from the same history and
 //!   the second answer would be stale, so the client is told rather than queued.
+//! - Memory: a session can go on to a next task (`POST /v1/sessions/{id}/tasks`). The finished task's
+//!   questions and the user's answers, and what the user asked the agent to remember, stay as the
+//!   session's memory: ASK/SAY turns that open every later step's history, so the model reads them where
+//!   it was trained to read the dialogue. The oldest go first beyond [`MEMORY_TURNS`] turns or
+//!   [`MEMORY_CHARS`] characters (the context budget).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -19,6 +24,11 @@ use askgui_data::{Action, Turn};
 use rand::Rng;
 use serde::Serialize;
 
+/// The most memory turns a session keeps.
+pub const MEMORY_TURNS: usize = 24;
+/// The most characters of memory text a session keeps.
+pub const MEMORY_CHARS: usize = 2000;
+
 /// One session's state.
 #[derive(Debug, Clone)]
 pub struct Session {
@@ -26,6 +36,8 @@ pub struct Session {
     pub task: String,
     pub adapter: Option<String>,
     pub options: StepOptions,
+    /// ASK/SAY turns kept from earlier tasks and what the user asked to be remembered, oldest first.
+    pub memory: Vec<Turn>,
     pub history: Vec<Turn>,
     /// Unix seconds.
     pub created: u64,
@@ -34,6 +46,11 @@ pub struct Session {
 }
 
 impl Session {
+    /// What the model is shown before this task's turns: the memory, then the history.
+    pub fn context(&self) -> Vec<Turn> {
+        self.memory.iter().chain(&self.history).cloned().collect()
+    }
+
     /// The agent's last turn was an `ask` not yet answered.
     pub fn waiting_for_answer(&self) -> bool {
         matches!(self.history.last(), Some(Turn::Agent { action: Action::Ask(_) }))
@@ -46,6 +63,8 @@ pub struct SessionView {
     pub id: String,
     pub task: String,
     pub adapter: Option<String>,
+    /// Kept from earlier tasks (and stated to be remembered); opens every step's history.
+    pub memory: Vec<Turn>,
     pub history: Vec<Turn>,
     pub waiting_for_answer: bool,
     /// Unix seconds.
@@ -123,8 +142,14 @@ impl SessionStore {
         self.ttl.saturating_sub(s.last_used.elapsed()).as_secs()
     }
 
-    /// A new session; its id.
-    pub fn create(&self, task: String, adapter: Option<String>, options: StepOptions) -> Result<String, SessionError> {
+    /// A new session remembering `remember` (the user's statements); its id.
+    pub fn create(
+        &self,
+        task: String,
+        adapter: Option<String>,
+        options: StepOptions,
+        remember: Vec<String>,
+    ) -> Result<String, SessionError> {
         let mut map = self.lock();
         self.sweep_locked(&mut map);
         if map.len() >= self.max {
@@ -136,6 +161,7 @@ impl SessionStore {
             task,
             adapter,
             options,
+            memory: bounded(remember.into_iter().map(|text| Turn::Say { text }).collect()),
             history: Vec::new(),
             created: unix_now(),
             last_used: Instant::now(),
@@ -154,6 +180,7 @@ impl SessionStore {
             id: s.id.clone(),
             task: s.task.clone(),
             adapter: s.adapter.clone(),
+            memory: s.memory.clone(),
             history: s.history.clone(),
             waiting_for_answer: s.waiting_for_answer(),
             created: s.created,
@@ -206,6 +233,29 @@ impl SessionStore {
         self.view(id)
     }
 
+    /// Goes on to `task`: the finished task's ASK and SAY turns and `remember` join the memory, and the
+    /// history starts empty.
+    pub fn next_task(&self, id: &str, task: String, remember: Vec<String>) -> Result<SessionView, SessionError> {
+        {
+            let mut map = self.lock();
+            self.sweep_locked(&mut map);
+            let s = map.get_mut(id).ok_or_else(|| SessionError::NotFound(id.to_string()))?;
+            if s.busy {
+                return Err(SessionError::Busy(id.to_string()));
+            }
+            let dialogue = std::mem::take(&mut s.history).into_iter().filter(|t| match t {
+                Turn::Agent { action } => action.is_ask(),
+                Turn::Say { .. } => true,
+            });
+            let mut memory = std::mem::take(&mut s.memory);
+            memory.extend(dialogue.chain(remember.into_iter().map(|text| Turn::Say { text })));
+            s.memory = bounded(memory);
+            s.task = task;
+            s.last_used = Instant::now();
+        }
+        self.view(id)
+    }
+
     /// Live sessions (after a sweep).
     pub fn len(&self) -> usize {
         self.sweep()
@@ -214,6 +264,19 @@ impl SessionStore {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// `memory` without its oldest turns beyond [`MEMORY_TURNS`] turns or [`MEMORY_CHARS`] characters.
+fn bounded(mut memory: Vec<Turn>) -> Vec<Turn> {
+    let chars = |t: &Turn| match t {
+        Turn::Agent { action: Action::Ask(a) } => a.question.len(),
+        Turn::Agent { .. } => 0,
+        Turn::Say { text } => text.len(),
+    };
+    while memory.len() > MEMORY_TURNS || memory.iter().map(chars).sum::<usize>() > MEMORY_CHARS {
+        memory.remove(0);
+    }
+    memory
 }
 
 #[cfg(test)]
@@ -228,10 +291,10 @@ mod tests {
     #[test]
     fn ask_say_step_and_busy() {
         let store = SessionStore::new(Duration::from_secs(60), 2);
-        let id = store.create("t".into(), None, StepOptions::default()).unwrap();
+        let id = store.create("t".into(), None, StepOptions::default(), vec![]).unwrap();
         assert_eq!(id.len(), 32);
-        assert_ne!(id, store.create("t".into(), None, StepOptions::default()).unwrap());
-        assert_eq!(store.create("t".into(), None, StepOptions::default()), Err(SessionError::Full(2)));
+        assert_ne!(id, store.create("t".into(), None, StepOptions::default(), vec![]).unwrap());
+        assert_eq!(store.create("t".into(), None, StepOptions::default(), vec![]), Err(SessionError::Full(2)));
         assert_eq!(store.say(&id, "x".into()).unwrap_err(), SessionError::NotWaiting(id.clone()));
 
         let (_, lease) = store.begin_step(&id).unwrap();
@@ -253,9 +316,34 @@ mod tests {
     }
 
     #[test]
+    fn the_next_task_keeps_the_dialogue_and_what_to_remember() {
+        let store = SessionStore::new(Duration::from_secs(60), 2);
+        let id = store.create("t1".into(), None, StepOptions::default(), vec!["I am vegan".into()]).unwrap();
+        let (_, lease) = store.begin_step(&id).unwrap();
+        store.finish_step(lease, ask());
+        store.say(&id, "Oat milk".into()).unwrap();
+        let (_, lease) = store.begin_step(&id).unwrap();
+        store.finish_step(lease, Action::Click(Target::point(1, 2)));
+        let v = store.next_task(&id, "t2".into(), vec!["Deliver after 6".into()]).unwrap();
+        let say = |t: &str| Turn::Say { text: t.into() };
+        assert_eq!(
+            v.memory,
+            [say("I am vegan"), Turn::Agent { action: ask() }, say("Oat milk"), say("Deliver after 6")]
+        );
+        assert!(v.history.is_empty() && v.task == "t2");
+        let (s, _lease) = store.begin_step(&id).unwrap();
+        assert_eq!(s.context(), v.memory, "the next step's history opens with the memory");
+        // Beyond the budget the oldest turns go.
+        let long: Vec<Turn> = (0..MEMORY_TURNS + 5).map(|i| say(&format!("fact {i}"))).collect();
+        let kept = bounded(long);
+        assert_eq!((kept.len(), &kept[0]), (MEMORY_TURNS, &say("fact 5")));
+        assert_eq!(bounded(vec![say(&"x".repeat(MEMORY_CHARS + 1)), say("y")]), [say("y")]);
+    }
+
+    #[test]
     fn idle_sessions_expire() {
         let store = SessionStore::new(Duration::from_millis(30), 10);
-        let id = store.create("t".into(), None, StepOptions::default()).unwrap();
+        let id = store.create("t".into(), None, StepOptions::default(), vec![]).unwrap();
         assert_eq!(store.len(), 1);
         std::thread::sleep(Duration::from_millis(60));
         assert_eq!(store.len(), 0);

@@ -350,7 +350,7 @@ mod tests {
         assert_eq!(s.fields(""), Some(&["task", "observation", "history", "adapter", "options"][..]));
         assert_eq!(
             s.fields("options"),
-            Some(&["max_tokens", "temperature", "seed", "constrain", "pause_threshold"][..])
+            Some(&["max_tokens", "temperature", "seed", "constrain", "pause_threshold", "coordinates"][..])
         );
         assert_eq!(s.fields("observation"), Some(&["screenshot", "elements", "screen"][..]));
         assert_eq!(s.fields("observation.elements[]"), Some(&["id", "role", "text", "bbox"][..]));
@@ -372,7 +372,7 @@ mod tests {
         assert_eq!(
             u[0].to_string(),
             "unknown field `options.max_new_tokens`; the known fields of `options` are: max_tokens, temperature, \
-             seed, constrain, pause_threshold"
+             seed, constrain, pause_threshold, coordinates"
         );
         // Options that parse to the defaults are skipped when serialized: the schema still knows them.
         let mut only_unknown = step(json!({}));

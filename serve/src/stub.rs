@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use askgui_data::agent_api::{AgentStepResponse, FrameInfo, Timings, Usage};
+use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, FrameInfo, Timings, Usage};
 use askgui_data::{Action, Ask, AskKind, FrameKind, FrameMap, ResizeBounds, Target, Turn};
 
 use crate::backend::{
@@ -30,6 +30,7 @@ use crate::backend::{
 #[derive(Default)]
 pub struct StubLog {
     batches: Mutex<Vec<usize>>,
+    steps: Mutex<Vec<AgentStepRequest>>,
     cancelled: AtomicUsize,
     released: Mutex<bool>,
     release: Condvar,
@@ -40,6 +41,11 @@ impl StubLog {
     /// The size of every batch `run` was given, in order.
     pub fn batches(&self) -> Vec<usize> {
         self.batches.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Every agent-step request the stub answered, in order (what a model would have been asked).
+    pub fn step_requests(&self) -> Vec<AgentStepRequest> {
+        self.steps.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Jobs that were cancelled while the stub waited on them.
@@ -128,6 +134,7 @@ impl StubBackend {
 
     fn step(&self, job: &Job, s: &StepJob) -> Result<JobOutput, BackendError> {
         let req = &s.request;
+        self.log.steps.lock().unwrap_or_else(|p| p.into_inner()).push(req.clone());
         let (w, h) = match (&s.screenshot, req.observation.screen) {
             (_, Some(screen)) => (screen.width, screen.height),
             (Some(img), None) => img.image.dimensions(),
@@ -135,7 +142,10 @@ impl StubBackend {
         };
         let frame = FrameMap::new(FrameKind::Screen, w, h, ResizeBounds::default())
             .map_err(|e| BackendError::BadInput(e.to_string()))?;
-        let answered = matches!(req.history.last(), Some(Turn::Say { .. }));
+        // The last ask has its answer (a SAY without an ask before it is a remembered statement).
+        let turns = &req.history;
+        let last_ask = turns.iter().rposition(|t| matches!(t, Turn::Agent { action: Action::Ask(_) }));
+        let answered = last_ask.is_some_and(|i| turns[i + 1..].iter().any(|t| matches!(t, Turn::Say { .. })));
         let action = if req.task.contains('?') && !answered {
             Action::Ask(Ask {
                 question: "Which one do you mean?".into(),

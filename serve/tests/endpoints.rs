@@ -135,6 +135,54 @@ fn agent_step_answers_in_the_frame_the_request_asks_for() {
 }
 
 #[test]
+fn a_session_remembers_the_users_answers_and_statements_across_tasks() {
+    let (server, log) = serve();
+    let r = post(&server.url("/v1/sessions"), &json!({"task": "Buy the milk?", "remember": ["I am vegan."]}));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let session = server.url(&format!("/v1/sessions/{}", r.json()["id"].as_str().unwrap()));
+    let obs = json!({"observation": {"screenshot": data_url(&png(40, 30))}});
+    // Task 1: the agent asks, the user answers, the agent acts.
+    assert_eq!(post(&format!("{session}/step"), &obs).json()["action"]["action"], "ask");
+    assert_eq!(post(&format!("{session}/say"), &json!({"text": "Oat milk, please."})).status, 200);
+    assert_eq!(post(&format!("{session}/step"), &obs).json()["action"]["action"], "click");
+
+    // Task 2 in the same session: the dialogue and the statements are kept, the actions are not.
+    let r = post(&format!("{session}/tasks"), &json!({"task": "Order a coffee", "remember": ["Deliver after 6 pm."]}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let say = |t: &str| json!({"turn": "say", "text": t});
+    let ask = json!({"turn": "agent", "action": {"action": "ask", "question": "Which one do you mean?", "kind": "specification"}});
+    let memory = json!([say("I am vegan."), ask, say("Oat milk, please."), say("Deliver after 6 pm.")]);
+    let v = get(&session).json();
+    assert_eq!((&v["memory"], &v["history"], &v["task"]), (&memory, &json!([]), &json!("Order a coffee")));
+    assert_eq!(post(&format!("{session}/step"), &obs).status, 200);
+
+    // What the model was asked in task 2: its prompt (the training prompt of that request) holds them.
+    let req = log.step_requests().pop().expect("a step");
+    assert_eq!(req.task, "Order a coffee");
+    let frame = askgui_data::FrameMap::new(askgui_data::FrameKind::Screen, 40, 30, Default::default()).unwrap();
+    let ctx = askgui_data::prompt::StepContext {
+        task: &req.task,
+        history: &req.history,
+        screenshots: vec!["shot".into()],
+        elements: None,
+        frame,
+        system: askgui_data::SystemPrompt::Full,
+    };
+    let prompt = askgui_data::render_chatml(&askgui_data::step_messages(&ctx), true).text;
+    for line in
+        ["SAY: I am vegan.", "ASK: Which one do you mean?", "SAY: Oat milk, please.", "SAY: Deliver after 6 pm."]
+    {
+        assert!(prompt.contains(line), "{line} not in task 2's prompt:\n{prompt}");
+    }
+    // Bad next tasks.
+    let r = post(&format!("{session}/tasks"), &json!({"task": "x", "remember": [" "]}));
+    assert!(r.status == 400 && r.message().contains("remember[0]"), "{}", r.body);
+    assert_eq!(post(&format!("{session}/tasks"), &json!({"task": " "})).status, 400);
+    assert_eq!(post(&server.url("/v1/sessions/0123/tasks"), &json!({"task": "x"})).status, 404);
+    server.stop();
+}
+
+#[test]
 fn sessions_are_capped_and_steps_on_one_session_do_not_overlap() {
     let mut cfg = config();
     cfg.max_sessions = 2;

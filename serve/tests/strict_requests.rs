@@ -239,7 +239,7 @@ fn the_issue_example_is_refused_with_the_known_options() {
     assert_eq!(
         r.message(),
         "unknown field `options.max_new_tokens`; the known fields of `options` are: max_tokens, temperature, seed, \
-         constrain, pause_threshold"
+         constrain, pause_threshold, coordinates"
     );
     let mut body = body;
     body["history"] = json!([{"turn": "agent", "action": {"action": "type", "txt": "milk"}}]);
