@@ -169,6 +169,11 @@ impl Canvas {
         [w / 20, y1, w - w / 20, y1 + rh]
     }
 
+    /// How many list rows fit on the screen (row `i` fits when its box ends inside it).
+    pub fn rows_that_fit(&self) -> usize {
+        (0..).take_while(|&i| self.row_box(i)[3] <= self.height()).count()
+    }
+
     /// `v` rounded up to the layout grid (unchanged without one).
     pub fn snap(&self, v: i32) -> i32 {
         if self.grid > 0 {

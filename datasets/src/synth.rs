@@ -356,7 +356,9 @@ fn confirm(look: Look, title: &str, lines: &[String], button: Option<&str>, rng:
     }
     let (action, instruction) = match button {
         Some(b) => {
-            let id = look.button(&mut c, lines.len() + 1 + rng.random_range(0..3), b);
+            // One of the three rows below the message, kept on a small screen.
+            let row = (lines.len() + 1 + rng.random_range(0..3)).min(c.rows_that_fit().saturating_sub(1));
+            let id = look.button(&mut c, row, b);
             (click(&c, &id), format!("Tap {b}"))
         }
         None => (Action::Done { status: DoneStatus::Success }, "The task is complete".to_string()),

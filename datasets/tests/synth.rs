@@ -89,6 +89,21 @@ fn synthetic_world_validates_and_is_balanced() -> anyhow::Result<()> {
 }
 
 #[test]
+fn the_smallest_screens_validate_too() -> anyhow::Result<()> {
+    // 160x160 (the smallest allowed) and the demo's grid: a confirm button below a long message once fell
+    // off the screen.
+    for (w, h, grid) in [(160, 160, 0), (160, 160, 28), (168, 308, 28)] {
+        let out = tmp(&format!("small-{w}x{h}-{grid}"));
+        let report = synth(&SynthArgs { width: w, height: h, grid, split: "1:0:0".into(), ..args(&out, 40, 1) })?;
+        for (name, file, _) in &report.files {
+            let r = validate_file(file, true)?;
+            assert!(r.problems.is_empty(), "{w}x{h} grid {grid} {name}: {:#?}", r.problems);
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn same_seed_same_world_and_runs_extend() -> anyhow::Result<()> {
     let (a, b) = (tmp("det-a"), tmp("det-b"));
     synth(&SynthArgs { split: "1:0:0".into(), ..args(&a, 12, 3) })?;
