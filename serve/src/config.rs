@@ -139,6 +139,9 @@ pub struct Config {
     /// When the model fails to load, keep serving /health and 503s instead of exiting non-zero.
     #[arg(long, env = "ASKGUI_SERVE_STAY_UP_ON_LOAD_FAILURE")]
     pub stay_up_on_load_failure: bool,
+    /// Do not serve the playground page at `/` (the API only).
+    #[arg(long, env = "ASKGUI_SERVE_NO_UI")]
+    pub no_ui: bool,
     /// Serve the deterministic stub backend instead of a model (front-end development, smoke tests).
     #[arg(long, env = "ASKGUI_SERVE_STUB", hide = true)]
     pub stub: bool,

@@ -6,7 +6,8 @@
 //! Handlers parse and check requests and decode images ([`images`]); they never touch tensors. The model
 //! backend batches concurrent jobs continuously ([`batcher`]) and reuses prompt prefixes ([`askgui_runtime::prefix_cache`]).
 //! Request bodies are parsed strictly ([`strict`]: an unknown field is a 400 naming it). Errors map to
-//! statuses in [`error`]; sessions live in [`sessions`]; Prometheus metrics in [`metrics`].
+//! statuses in [`error`]; sessions live in [`sessions`]; Prometheus metrics in [`metrics`]; the playground
+//! page in [`ui`].
 //!
 //! To run a server on a free port with some backend (what the tests do):
 //!
@@ -35,6 +36,7 @@ pub mod sessions;
 pub mod state;
 pub mod strict;
 pub mod stub;
+pub mod ui;
 
 pub use config::{Cli, Command, Config, PredictArgs};
 pub use engine::{BackendFactory, BoxError, Engine, LoadState};

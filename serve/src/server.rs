@@ -1,8 +1,9 @@
 //! The HTTP server: routes, the two middlewares (metrics outermost, then the API key), `/health`,
-//! `/metrics`, JSON 404/405 answers, and the ways to run it: [`run`] for the binary (SIGTERM/SIGINT drain
-//! in-flight requests, then the backend thread ends with the last engine handle; a model that fails to
-//! load ends it with the loader's message) and [`start`] for tests and embedding (a background thread on
-//! a free port, stopped through the returned [`ServerHandle`]; a failed load stays visible on `/health`).
+//! `/metrics`, the playground page (`ui.rs`, unless `--no-ui`), JSON 404/405 answers, and the ways to run
+//! it: [`run`] for the binary (SIGTERM/SIGINT drain in-flight requests, then the backend thread ends with
+//! the last engine handle; a model that fails to load ends it with the loader's message) and [`start`] for
+//! tests and embedding (a background thread on a free port, stopped through the returned [`ServerHandle`];
+//! a failed load stays visible on `/health`).
 //!
 //! HTTP/1 half-closed connections are not allowed: when a client closes the connection, actix drops
 //! the request's handler future at once, whose guard flags the job cancelled (see `engine.rs`).
@@ -25,7 +26,7 @@ use crate::engine::{BackendFactory, LoadState};
 use crate::error::HttpError;
 use crate::metrics::Gauges;
 pub use crate::state::AppState;
-use crate::{agent_routes, openai};
+use crate::{agent_routes, openai, ui};
 
 /// Compares without an early exit on the first differing byte, so the time taken says nothing about how
 /// much of a guessed key was right (a length mismatch is still told apart, as in most such compares).
@@ -36,9 +37,9 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Paths that stay open when an API key is set (probes and scrapers carry no secrets).
+/// Paths that stay open when an API key is set (probes, scrapers and the playground page carry no secrets).
 fn is_open_path(path: &str) -> bool {
-    matches!(path, "/health" | "/metrics")
+    matches!(path, "/health" | "/metrics") || ui::is_open_path(path)
 }
 
 async fn require_key(
@@ -158,6 +159,10 @@ pub fn configure(state: web::Data<AppState>) -> impl Fn(&mut web::ServiceConfig)
             .service(resource("/v1/sessions/{id}/tasks", "POST").route(web::post().to(agent_routes::next_task)))
             .service(resource("/v1/chat/completions", "POST").route(web::post().to(openai::chat_completions)))
             .service(resource("/v1/models", "GET").route(web::get().to(openai::models)));
+        if !state.config.no_ui {
+            cfg.service(resource("/", "GET").route(web::get().to(ui::page)))
+                .service(resource("/ui/screens/{n}", "GET").route(web::get().to(ui::screen)));
+        }
     }
 }
 
