@@ -25,10 +25,10 @@ const STEP_WAIT: Duration = Duration::from_secs(120);
 const UI_WAIT: Duration = Duration::from_secs(20);
 
 fn browser_or_skip(test: &str) -> Option<Browser> {
-    match Browser::launch() {
-        Ok(b) => Some(b),
+    match Browser::installed() {
+        Ok((driver, chromium)) => Some(Browser::launch(&driver, &chromium)),
         Err(why) => {
-            println!("SKIPPED: {test}: no headless browser ({why}); install chromium and chromium-driver");
+            println!("SKIPPED: {test}: {why}; install chromium and chromium-driver to run it");
             None
         }
     }

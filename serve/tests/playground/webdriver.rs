@@ -30,22 +30,29 @@ pub struct Browser {
 }
 
 impl Browser {
-    /// Starts chromedriver and a headless chromium, or says why not (neither is installed, for instance).
-    pub fn launch() -> Result<Self, String> {
+    /// chromedriver and chromium from `PATH`, or why they cannot be used.
+    pub fn installed() -> Result<(PathBuf, PathBuf), String> {
         let driver = in_path(&["chromedriver"]).ok_or("no chromedriver in PATH (Debian: chromium-driver)")?;
         let chromium = in_path(&["chromium", "chromium-browser", "google-chrome"]).ok_or("no chromium in PATH")?;
-        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
-        let child = Command::new(&driver)
+        Ok((driver, chromium))
+    }
+
+    /// Starts chromedriver on a free port and a headless chromium through it; panics when either fails
+    /// (installed but broken is a failure, not a skip).
+    pub fn launch(driver: &Path, chromium: &Path) -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+        let child = Command::new(driver)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", driver.display()))?;
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", driver.display()));
         let http = ureq::AgentBuilder::new().timeout(Duration::from_secs(120)).build();
+        // From here on, a panic drops `b`, which ends chromedriver.
         let mut b = Browser { driver: child, base: format!("http://127.0.0.1:{port}"), http };
-        b.wait_driver()?;
-        b.new_session(&chromium)?;
-        Ok(b)
+        b.wait_driver().unwrap_or_else(|e| panic!("{e}"));
+        b.new_session(chromium).unwrap_or_else(|e| panic!("{} does not start: {e}", chromium.display()));
+        b
     }
 
     fn wait_driver(&self) -> Result<(), String> {
