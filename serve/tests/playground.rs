@@ -75,6 +75,19 @@ const OVERLAY_PAINT: &str = "
     return {all, near, point: o.dataset.point || null, action: o.dataset.action || null,
             drawn: Number(o.dataset.drawn)};";
 
+/// Pastes (on the document) or drops (on the screen) a PNG of `arguments[1]` ("W x H"), as a user would.
+const PASTE_OR_DROP: &str = "
+    const [w, h] = arguments[1].split(' x ').map(Number);
+    const c = document.createElement('canvas');
+    c.width = w; c.height = h;
+    const g = c.getContext('2d');
+    g.fillStyle = '#3a7'; g.fillRect(0, 0, w, h);
+    const bin = atob(c.toDataURL('image/png').split(',')[1]);
+    const dt = new DataTransfer();
+    dt.items.add(new File([Uint8Array.from(bin, (ch) => ch.charCodeAt(0))], 'shot.png', {type: 'image/png'}));
+    if (arguments[0] === 'paste') document.dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt}));
+    else document.getElementById('frame').dispatchEvent(new DragEvent('drop', {dataTransfer: dt}));";
+
 const HISTORY: &str = "return [...document.querySelectorAll('#history li')].map((li) => li.innerText);";
 
 /// The page's history list.
@@ -193,9 +206,17 @@ fn a_synthetic_screen_option_buttons_and_errors_on_the_stub() {
         b.wait_for("const e = document.getElementById('error'); return !e.hidden && e.innerText", UI_WAIT, "the error");
     assert_eq!(err, json!("upload, paste or pick a screen first"));
 
+    // A pasted screenshot, then a dropped one.
+    for (event, size) in [("paste", "200 x 120"), ("drop", "120 x 90")] {
+        b.exec(PASTE_OR_DROP, json!([event, size]));
+        let script = format!("return document.getElementById('screen-info').innerText === '{size}'");
+        b.wait_for(&script, UI_WAIT, event);
+    }
+
     // A synthetic screen brings its elements and its task; the stub asks when the task has a '?'.
     b.click("#synthetic option[value='2']");
-    let info = b.wait_for("return document.getElementById('screen-info').innerText", UI_WAIT, "the synthetic screen");
+    let info = "const t = document.getElementById('screen-info').innerText; return t.includes('elements') && t";
+    let info = b.wait_for(info, UI_WAIT, "the synthetic screen");
     assert!(info.as_str().unwrap().starts_with("360 x 640, "), "{info}");
     let offered = b.exec("return document.getElementById('task').value", json!([]));
     assert_eq!(offered, askgui_serve::ui::synthetic(2).unwrap()["task"], "the screen's task fills the box");
@@ -224,6 +245,12 @@ fn a_synthetic_screen_option_buttons_and_errors_on_the_stub() {
     assert_eq!((paint["point"].as_str(), paint["near"].as_u64().unwrap() > 50), (Some("180,320"), true), "{paint}");
     assert_eq!(history(&b)[2], "you: Volume 60%");
     check_element_box(&b);
+
+    // A new task in the same session.
+    b.fill("#task", "Open the settings");
+    b.click("#step");
+    wait_drawn(&b, 4, "the next task's click");
+    assert_eq!(history(&b)[4..], ["next task: Open the settings", "agent: click (180, 320)"]);
 
     // An API error is shown as the server words it: the session is gone behind the page's back.
     let id = b.exec("return window.playground.state.session", json!([]));
