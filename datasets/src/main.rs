@@ -78,6 +78,13 @@ enum Format {
 }
 
 fn main() -> ExitCode {
+    // Rust ignores SIGPIPE, so printing into a closed pipe (`askgui-data stats | head`) would panic; a
+    // command-line tool should end quietly there, as the default action does.
+    #[cfg(unix)]
+    // SAFETY: called first in main, before any thread starts; SIG_DFL is a valid handler for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
