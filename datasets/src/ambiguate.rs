@@ -21,11 +21,16 @@
 //! to the conversation; transport errors, timeouts, 429 and 5xx are retried with exponential backoff; any
 //! other 4xx is final and its body is shown. `--retries N` means N retries after the first attempt.
 //!
+//! An episode whose answers are still unusable after the retries (a weak model's junk: no JSON, the wrong
+//! fields, the task unchanged) does not stop the run: it is written unchanged (no instructions, flags or
+//! ask added) and counted in [`AmbiguateReport::rejected`] by stage and reason. An endpoint that is not
+//! reachable, refuses the request or does not answer with chat completions stops the run with an error.
+//!
 //! The output is resumable: episodes already in it (by id) are skipped, each episode is appended and
 //! flushed as soon as it is done, and a last line cut off by an interruption is dropped and redone.
 //! Screenshot paths are rewritten relative to the output's folder when it differs from the input's.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::fs::{self, OpenOptions};
 use std::io::Write;
@@ -75,12 +80,23 @@ pub struct AmbiguateArgs {
 }
 
 /// What a run did. `done` counts the episodes written by this run, `no_informative_step` those of them
-/// written without an ambiguous task.
+/// written without an ambiguous task, `rejected` those written unchanged because the endpoint's answers
+/// were unusable after every retry.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AmbiguateReport {
     pub done: usize,
     pub skipped_existing: usize,
     pub no_informative_step: usize,
+    /// Episodes written unchanged, by `"<stage>: <reason>"` ([`Stage::key`] and [`Junk::kind`], e.g.
+    /// `"instructions: no JSON object"`).
+    pub rejected: BTreeMap<String, usize>,
+}
+
+impl AmbiguateReport {
+    /// How many episodes were written unchanged for unusable answers.
+    pub fn rejected_total(&self) -> usize {
+        self.rejected.values().sum()
+    }
 }
 
 /// The request of the pipeline that failed.
@@ -89,6 +105,17 @@ pub enum Stage {
     Instructions,
     Informative,
     Ask,
+}
+
+impl Stage {
+    /// The stage's short name in [`AmbiguateReport::rejected`].
+    pub fn key(self) -> &'static str {
+        match self {
+            Stage::Instructions => "instructions",
+            Stage::Informative => "informative",
+            Stage::Ask => "ask",
+        }
+    }
 }
 
 impl fmt::Display for Stage {
@@ -118,11 +145,17 @@ pub enum AmbiguateError {
     Rejected { episode: String, stage: Stage, url: String, model: String, key_env: String, status: u16, body: String },
     #[error("episode {episode}, {stage}: no answer from {url} after {attempts} attempts; the last error: {last}")]
     Unreachable { episode: String, stage: Stage, url: String, attempts: u32, last: String },
+    /// Unusable answers after every retry: [`ambiguate`] counts it and writes the episode unchanged.
     #[error(
         "episode {episode}, {stage}: no usable answer after {attempts} attempts ({reason}); \
          the endpoint answered: {snippet:?}"
     )]
-    BadAnswer { episode: String, stage: Stage, attempts: u32, reason: String, snippet: String },
+    BadAnswer { episode: String, stage: Stage, attempts: u32, kind: &'static str, reason: String, snippet: String },
+    #[error(
+        "episode {episode}, {stage}: {url} did not answer with a chat completion after {attempts} attempts \
+         ({reason}; is --base-url an OpenAI-compatible API?); its body: {snippet:?}"
+    )]
+    NotChatCompletion { episode: String, stage: Stage, url: String, attempts: u32, reason: String, snippet: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> AmbiguateError + '_ {
@@ -140,8 +173,26 @@ fn snippet(s: &str, n: usize) -> String {
 // ---------------------------------------------------------------------------------------------------
 // Lenient JSON answers.
 
+/// Why an answer cannot be used: `kind`, a fixed phrase to count answers by, and `detail`, which says
+/// what exactly is wrong (it is shown to the model when it is asked again).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Junk {
+    pub kind: &'static str,
+    pub detail: String,
+}
+
+impl fmt::Display for Junk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.detail)
+    }
+}
+
+fn junk(kind: &'static str, detail: impl Into<String>) -> Junk {
+    Junk { kind, detail: detail.into() }
+}
+
 /// The first JSON object of the answer that has `key`.
-pub fn json_with_key(answer: &str, key: &str) -> Result<Value, String> {
+pub fn json_with_key(answer: &str, key: &str) -> Result<Value, Junk> {
     let mut bad = None;
     for raw in crate::parse::json_object_spans(answer).into_iter().map(|r| &answer[r]) {
         match serde_json::from_str::<Value>(raw) {
@@ -152,10 +203,10 @@ pub fn json_with_key(answer: &str, key: &str) -> Result<Value, String> {
             }
         }
     }
-    Err(bad.map_or_else(
-        || format!("no JSON object with a `{key}` field"),
-        |b| format!("no JSON object with `{key}`: {b}"),
-    ))
+    Err(match bad {
+        None => junk("no JSON object", format!("no JSON object with a `{key}` field")),
+        Some(b) => junk("invalid JSON", format!("no JSON object with `{key}`: {b}")),
+    })
 }
 
 fn index_of(v: &Value) -> Option<usize> {
@@ -168,7 +219,7 @@ fn index_of(v: &Value) -> Option<usize> {
 
 /// Stage 1: `{"instructions": {"3": "..."}}` or `[{"step": 3, "instruction": "..."}]` or a list aligned
 /// with `missing`.
-fn parse_instructions(answer: &str, missing: &[usize]) -> Result<HashMap<usize, String>, String> {
+fn parse_instructions(answer: &str, missing: &[usize]) -> Result<HashMap<usize, String>, Junk> {
     let v = json_with_key(answer, "instructions")?;
     let mut got = HashMap::new();
     match &v["instructions"] {
@@ -193,37 +244,40 @@ fn parse_instructions(answer: &str, missing: &[usize]) -> Result<HashMap<usize, 
             }
         }
         other => {
-            return Err(format!(
-                "`instructions` is {}, not an object of step -> instruction",
-                snippet(&other.to_string(), 40)
+            return Err(junk(
+                "wrong shape",
+                format!("`instructions` is {}, not an object of step -> instruction", snippet(&other.to_string(), 40)),
             ))
         }
     }
     got.retain(|i, t| missing.contains(i) && !t.is_empty());
     match missing.iter().find(|i| !got.contains_key(i)) {
-        Some(i) => Err(format!("no instruction for step {i}")),
+        Some(i) => Err(junk("missing instruction", format!("no instruction for step {i}"))),
         None => Ok(got),
     }
 }
 
 /// Stage 2: `{"informative": [indices]}` or a list of one boolean per step.
-fn parse_informative(answer: &str, steps: usize) -> Result<Vec<usize>, String> {
+fn parse_informative(answer: &str, steps: usize) -> Result<Vec<usize>, Junk> {
     let v = json_with_key(answer, "informative")?;
     let Some(items) = v["informative"].as_array() else {
-        return Err("`informative` is not a list of step indices".into());
+        return Err(junk("wrong shape", "`informative` is not a list of step indices"));
     };
     let mut out = vec![];
     if !items.is_empty() && items.iter().all(Value::is_boolean) {
         if items.len() != steps {
-            return Err(format!("{} booleans for {steps} steps", items.len()));
+            return Err(junk("wrong shape", format!("{} booleans for {steps} steps", items.len())));
         }
         out.extend(items.iter().enumerate().filter(|(_, b)| b.as_bool() == Some(true)).map(|(i, _)| i));
     } else {
         for it in items {
             match index_of(it) {
                 Some(i) if i < steps => out.push(i),
-                Some(i) => return Err(format!("step {i} does not exist (the episode has {steps} steps, 0..{steps})")),
-                None => return Err(format!("{it} is not a step index")),
+                Some(i) => {
+                    let detail = format!("step {i} does not exist (the episode has {steps} steps, 0..{steps})");
+                    return Err(junk("no such step", detail));
+                }
+                None => return Err(junk("wrong shape", format!("{it} is not a step index"))),
             }
         }
     }
@@ -233,15 +287,18 @@ fn parse_informative(answer: &str, steps: usize) -> Result<Vec<usize>, String> {
 }
 
 /// Stage 3: the ambiguous task (which must differ from the task), the question and the answer.
-fn parse_ask(answer: &str, task: &str) -> Result<(String, String, String), String> {
+fn parse_ask(answer: &str, task: &str) -> Result<(String, String, String), Junk> {
     let v = json_with_key(answer, "ambiguous_task")?;
     let field = |k: &str| match v.get(k).and_then(Value::as_str).map(str::trim) {
         Some(s) if !s.is_empty() => Ok(s.to_string()),
-        _ => Err(format!("missing or empty `{k}`")),
+        _ => Err(junk("missing field", format!("missing or empty `{k}`"))),
     };
     let (amb, q, a) = (field("ambiguous_task")?, field("question")?, field("answer")?);
     if amb.to_lowercase() == task.trim().to_lowercase() {
-        return Err("`ambiguous_task` is the task unchanged: the step's detail must be left out".into());
+        return Err(junk(
+            "task unchanged",
+            "`ambiguous_task` is the task unchanged: the step's detail must be left out",
+        ));
     }
     Ok((amb, q, a))
 }
@@ -329,7 +386,7 @@ enum Failure {
     /// A 4xx other than 429.
     Rejected(u16, String),
     /// A 200 whose content cannot be used (answer, reason).
-    Unusable(String, String),
+    Unusable(String, Junk),
     /// A 200 that is not a chat completion (body, reason).
     Malformed(String, String),
 }
@@ -396,7 +453,7 @@ impl Client {
         episode: &str,
         stage: Stage,
         prompt: String,
-        parse: impl Fn(&str) -> Result<T, String>,
+        parse: impl Fn(&str) -> Result<T, Junk>,
     ) -> Result<T, AmbiguateError> {
         let mut messages =
             vec![json!({"role": "system", "content": SYSTEM}), json!({"role": "user", "content": prompt})];
@@ -444,12 +501,21 @@ impl Client {
             last = failure;
         }
         Err(match last {
-            Failure::Unusable(answer, reason) | Failure::Malformed(answer, reason) => AmbiguateError::BadAnswer {
+            Failure::Unusable(answer, reason) => AmbiguateError::BadAnswer {
                 episode: episode.into(),
                 stage,
                 attempts,
-                reason,
+                kind: reason.kind,
+                reason: reason.detail,
                 snippet: snippet(&answer, 300),
+            },
+            Failure::Malformed(body, reason) => AmbiguateError::NotChatCompletion {
+                episode: episode.into(),
+                stage,
+                url: self.url.clone(),
+                attempts,
+                reason,
+                snippet: snippet(&body, 300),
             },
             Failure::Transient(e) | Failure::Rejected(_, e) => {
                 AmbiguateError::Unreachable { episode: episode.into(), stage, url: self.url.clone(), attempts, last: e }
@@ -585,12 +651,20 @@ pub fn ambiguate(args: &AmbiguateArgs) -> Result<AmbiguateReport, AmbiguateError
                 }
             }
         }
-        let ambiguous = ambiguate_episode(&client, &mut ep, args.seed)?;
-        if !ambiguous {
-            report.no_informative_step += 1;
-            info!("episode {}: no informative step; written without an ambiguous task", ep.id);
-        } else {
-            debug!("episode {}: ambiguous task {:?}", ep.id, ep.ambiguous_task);
+        let original = ep.clone();
+        match ambiguate_episode(&client, &mut ep, args.seed) {
+            Ok(true) => debug!("episode {}: ambiguous task {:?}", ep.id, ep.ambiguous_task),
+            Ok(false) => {
+                report.no_informative_step += 1;
+                info!("episode {}: no informative step; written without an ambiguous task", ep.id);
+            }
+            Err(e) => {
+                // Junk from the model is counted; an endpoint that cannot be used stops the run.
+                let AmbiguateError::BadAnswer { stage, kind, .. } = &e else { return Err(e) };
+                *report.rejected.entry(format!("{}: {kind}", stage.key())).or_default() += 1;
+                warn!("{e}; the episode is written unchanged");
+                ep = original;
+            }
         }
         let mut line = serde_json::to_string(&ep).expect("episodes serialise");
         line.push('\n');
@@ -599,6 +673,15 @@ pub fn ambiguate(args: &AmbiguateArgs) -> Result<AmbiguateReport, AmbiguateError
         bar.inc(1);
     }
     bar.finish_and_clear();
+    if !report.rejected.is_empty() {
+        let reasons: Vec<String> = report.rejected.iter().map(|(k, n)| format!("{k}: {n}")).collect();
+        warn!(
+            "ambiguate: {} episodes written unchanged, the endpoint's answers unusable ({}); a more capable model \
+             gives usable rewrites",
+            report.rejected_total(),
+            reasons.join(", ")
+        );
+    }
     info!(
         "ambiguate: {} written ({} without an informative step), {} already done",
         report.done, report.no_informative_step, report.skipped_existing
@@ -616,19 +699,23 @@ mod tests {
             "Sure! Here you go:\n```json\n{\"informative\": [2, \"0\", 2]}\n```\nStep 2 picks the flavour {really}.";
         assert_eq!(parse_informative(a, 3).unwrap(), vec![0, 2]);
         assert_eq!(parse_informative("{\"informative\": [false, true, true]}", 3).unwrap(), vec![1, 2]);
-        assert!(parse_informative("{\"informative\": [5]}", 3).unwrap_err().contains("step 5 does not exist"));
-        assert!(parse_informative("I think step 2.", 3).unwrap_err().contains("no JSON object"));
+        let e = parse_informative("{\"informative\": [5]}", 3).unwrap_err();
+        assert!(e.kind == "no such step" && e.detail.contains("step 5 does not exist"), "{e:?}");
+        let e = parse_informative("I think step 2.", 3).unwrap_err();
+        assert!(e.kind == "no JSON object" && e.detail.contains("no JSON object"), "{e:?}");
+        assert_eq!(parse_informative("{\"informative\": [1,}", 3).unwrap_err().kind, "invalid JSON");
         let got =
             parse_instructions("{\"note\": \"}\"} {\"instructions\": {\"1\": \"Tap Oat\", \"3\": \" Pay \"}}", &[1, 3])
                 .unwrap();
         assert_eq!((got[&1].as_str(), got[&3].as_str()), ("Tap Oat", "Pay"));
         let list = "{\"instructions\": [{\"step\": 1, \"instruction\": \"Tap Oat\"}]}";
-        assert!(parse_instructions(list, &[1, 3]).unwrap_err().contains("step 3"));
+        let e = parse_instructions(list, &[1, 3]).unwrap_err();
+        assert!(e.kind == "missing instruction" && e.detail.contains("step 3"), "{e:?}");
         let e = parse_ask("{\"ambiguous_task\": \"Buy milk\", \"question\": \"Which?\"}", "Buy oat milk").unwrap_err();
-        assert!(e.contains("`answer`"), "{e}");
+        assert!(e.kind == "missing field" && e.detail.contains("`answer`"), "{e:?}");
         let e = parse_ask("{\"ambiguous_task\": \"buy milk \", \"question\": \"Q\", \"answer\": \"A\"}", "Buy milk")
             .unwrap_err();
-        assert!(e.contains("unchanged"), "{e}");
+        assert!(e.kind == "task unchanged" && e.detail.contains("unchanged"), "{e:?}");
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! The ambiguity pipeline against a mock OpenAI-compatible server (a `TcpListener` on 127.0.0.1:0 in a
 //! thread, answering canned chat completions by the stage its prompt is for): the output validates,
-//! runs resume, unusable answers give a clear error, 5xx is retried and 401 is not.
+//! runs resume, unusable answers are counted by stage and reason with their episodes written unchanged,
+//! an endpoint that does not answer with chat completions is a clear error, 5xx is retried and 401 is not.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -302,23 +304,79 @@ fn an_interrupted_run_continues_where_it_stopped() -> Result<()> {
 }
 
 #[test]
-fn garbage_answers_give_an_error_naming_episode_stage_and_answer() -> Result<()> {
+fn garbage_answers_are_counted_and_the_episodes_written_unchanged() -> Result<()> {
     let dir = temp_dir("garbage");
     let input = write_input(&dir)?;
     let out = dir.join("out.jsonl");
     let server = mock(Box::new(|_, _| completion("I'm sorry, I cannot produce JSON today.")));
-    let e = ambiguate(&args(&input, &out, &server.base_url, "ASKGUI_TEST_KEY_UNSET_GARBAGE")).unwrap_err();
-    let msg = e.to_string();
-    assert!(matches!(e, AmbiguateError::BadAnswer { attempts: 3, .. }), "{msg}");
-    assert!(msg.contains("episode latte") && msg.contains("stage 1 (step instructions)"), "{msg}");
-    assert!(msg.contains("I'm sorry, I cannot produce JSON today.") && msg.contains("no JSON object"), "{msg}");
+    let report = ambiguate(&args(&input, &out, &server.base_url, "ASKGUI_TEST_KEY_UNSET_GARBAGE"))?;
+    // latte fails at stage 1 (two steps lack an instruction), message at stage 2 (it has them all).
+    let want: BTreeMap<String, usize> =
+        [("informative: no JSON object".to_string(), 1), ("instructions: no JSON object".to_string(), 1)].into();
+    assert_eq!(report.rejected, want);
+    assert_eq!((report.done, report.no_informative_step, report.rejected_total()), (2, 0, 2));
     let reqs = server.requests();
-    assert_eq!(reqs.len(), 3, "the first attempt and 2 retries");
+    assert_eq!(reqs.len(), 6, "per episode, the first attempt and 2 retries");
     // A retry shows the model its answer and why it was refused.
     let retry = reqs[1].body["messages"].as_array().unwrap();
     assert_eq!(retry.len(), 4);
-    assert!(retry[3]["content"].as_str().unwrap().contains("cannot be used"));
-    assert_eq!(fs::read_to_string(&out)?, "", "nothing written for the failed episode");
+    assert!(retry[3]["content"].as_str().unwrap().contains("cannot be used: no JSON object"));
+    // Written as they came in (screenshots re-rooted to the output's folder): no flags, no ask.
+    let before: Vec<Episode> = load_episodes(&input)?.into_iter().map(|l| l.episode).collect();
+    let after = assert_valid(&out)?;
+    assert_eq!(after.len(), 2);
+    for (a, b) in after.iter().zip(&before) {
+        assert!(!a.is_ambiguous() && a.steps.iter().all(|s| s.informative.is_none() && s.ask.is_none()));
+        assert_eq!((&a.id, &a.task, a.steps.len()), (&b.id, &b.task, b.steps.len()));
+        let instr = |e: &Episode| e.steps.iter().map(|s| s.instruction.clone()).collect::<Vec<_>>();
+        assert_eq!(instr(a), instr(b));
+        assert!(a.steps.iter().all(|s| s.screenshot.starts_with("data/images/")), "{}", a.steps[0].screenshot);
+    }
+    // Done is done: a second run asks nothing.
+    assert_eq!(ambiguate(&args(&input, &out, &server.base_url, "ASKGUI_TEST_KEY_UNSET_GARBAGE"))?.skipped_existing, 2);
+    assert_eq!(server.count(), 6);
+    fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn a_rejected_rewrite_leaves_the_other_episodes_ambiguous() -> Result<()> {
+    let dir = temp_dir("mixed");
+    let input = write_input(&dir)?;
+    let out = dir.join("data/out.jsonl");
+    // The latte's stage-3 answer keeps the task as it is, every time.
+    let server = mock(Box::new(|req, n| {
+        let p = req.prompt();
+        if p.contains("Task: \"Order a large oat latte") && p.contains("\"ambiguous_task\"") {
+            completion(r#"{"ambiguous_task": "Order a large oat latte for pickup", "question": "Q?", "answer": "A"}"#)
+        } else {
+            normal(req, n)
+        }
+    }));
+    let report = ambiguate(&args(&input, &out, &server.base_url, "ASKGUI_TEST_KEY_UNSET_MIXED"))?;
+    assert_eq!(report.rejected, BTreeMap::from([("ask: task unchanged".to_string(), 1)]));
+    assert_eq!((report.done, report.no_informative_step), (2, 0));
+    assert_eq!(server.count(), 2 + 3 + 2, "latte: instructions, informative, 3 asks; message: informative, ask");
+    let eps = assert_valid(&out)?;
+    let latte = &eps[0];
+    assert!(!latte.is_ambiguous() && latte.steps.iter().all(|s| s.informative.is_none()), "written unchanged");
+    assert_eq!(latte.steps[0].instruction, None, "not even stage 1's instructions are kept");
+    assert_eq!(eps[1].first_ask_step(), Some(2), "the message episode is ambiguous");
+    fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn an_answer_that_is_no_chat_completion_stops_the_run() -> Result<()> {
+    let dir = temp_dir("not-chat");
+    let input = write_input(&dir)?;
+    let out = dir.join("out.jsonl");
+    let server = mock(Box::new(|_, _| (200, "<html>a login page</html>".into())));
+    let e = ambiguate(&args(&input, &out, &server.base_url, "ASKGUI_TEST_KEY_UNSET_NOT_CHAT")).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, AmbiguateError::NotChatCompletion { attempts: 3, .. }), "{msg}");
+    assert!(msg.contains("episode latte") && msg.contains("a login page") && msg.contains("--base-url"), "{msg}");
+    assert_eq!(fs::read_to_string(&out)?, "", "nothing written");
     fs::remove_dir_all(&dir)?;
     Ok(())
 }
