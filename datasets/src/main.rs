@@ -161,10 +161,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Ambiguate(args) => {
             let r = ambiguate::ambiguate(&args)?;
             println!(
-                "{} episodes written, {} already done, {} without an informative step -> {}",
+                "{} episodes written, {} already done, {} without an informative step, {} unchanged after junk \
+                 answers -> {}",
                 r.done,
                 r.skipped_existing,
                 r.no_informative_step,
+                r.rejected_total(),
                 args.out.display()
             );
         }
