@@ -46,10 +46,16 @@ fn json_escape(s: &str) -> String {
 }
 
 impl Runtime {
+    /// Brings the sequence to the training tokenisation of the answer `text` (plus `pending`, text chosen
+    /// but not yet written): what the model reads is always the text encoded as training encodes it.
+    pub(crate) fn settle(&self, dec: &mut Decoding, text: &str, pending: &str) -> Result<()> {
+        let canon = self.tokenizer.encode(&format!("{text}{pending}"))?;
+        dec.seq.sync(&canon)
+    }
+
+    /// Writes the literal `lit` (fed at the next decision, in the text's own tokenisation).
     fn force(&self, dec: &mut Decoding, text: &mut String, lit: &str) -> Result<()> {
-        let toks = self.tokenizer.encode(lit)?;
-        dec.seq.feed(&toks)?;
-        dec.generated += toks.len();
+        dec.generated += self.tokenizer.encode(lit)?.len();
         text.push_str(lit);
         Ok(())
     }
@@ -57,10 +63,11 @@ impl Runtime {
     /// Decodes one integer in `0..=max`: digit tokens that keep the value in range, ended when a
     /// non-digit token would be more likely than any of them (or at [`MAX_INT_DIGITS`]).
     fn int(&self, dec: &mut Decoding, text: &mut String, max: u64) -> Result<()> {
-        // The digits so far: their value and how many (leading zeros count towards the length only).
-        let (mut value, mut len) = (0u64, 0u32);
+        // The digits so far: their text, value and count (leading zeros count towards the length only).
+        let (mut digits, mut value, mut len) = (String::new(), 0u64, 0u32);
         while dec.generated < dec.budget || len == 0 {
             dec.check()?;
+            self.settle(dec, text, &digits)?;
             let fits = |i: usize| {
                 self.digit_token[i]
                     .is_some_and(|(v, l)| len + l <= MAX_INT_DIGITS as u32 && value * 10u64.pow(l) + v <= max)
@@ -73,7 +80,7 @@ impl Runtime {
             }
             let (v, l) = self.digit_token[tok as usize].expect("a digit token");
             (value, len) = (value * 10u64.pow(l) + v, len + l);
-            dec.seq.feed(&[tok])?;
+            digits.push_str(&self.tokenizer.decode(&[tok], false)?);
             dec.generated += 1;
         }
         if len == 0 {
@@ -86,38 +93,55 @@ impl Runtime {
     }
 
     /// Decodes the inside of a JSON string: tokens safe in a string until the model prefers to close it
-    /// (the quote token is more likely than any string token) or the budget ends.
+    /// (a token that starts with a quote is more likely than any string token) or the budget ends.
     fn string(&self, dec: &mut Decoding, text: &mut String) -> Result<()> {
         let mut n = 0;
         // At least one token: the schema has no empty strings (an `ask` needs a question).
         while n == 0 || dec.generated < dec.budget {
             dec.check()?;
+            self.settle(dec, text, "")?;
             let logits = &dec.seq.logits;
             let Some((tok, v)) = best(logits, |i| self.string_token[i]) else { break };
-            let close_v = self.quote_token.map_or(f32::NEG_INFINITY, |c| logits[c as usize]);
+            let close_v = self.closing_tokens.iter().map(|&c| logits[c as usize]).fold(f32::NEG_INFINITY, f32::max);
             if n > 0 && close_v > v {
                 break;
             }
             let tok = if dec.temperature > 0.0 { dec.sample(|i| self.string_token[i]) } else { tok };
             text.push_str(&self.tokenizer.decode(&[tok], false)?);
-            dec.seq.feed(&[tok])?;
             dec.generated += 1;
             n += 1;
         }
         Ok(())
     }
 
+    /// The model's probability of each of `options` (each followed by `after`) as the continuation of
+    /// `text`, every one scored in the tokenisation training gives `text` + it; and each one's tokens.
+    pub(crate) fn score(
+        &self,
+        dec: &mut Decoding,
+        text: &str,
+        options: &[&str],
+        after: &str,
+    ) -> Result<(Vec<f64>, Vec<usize>)> {
+        let base = self.tokenizer.encode(text)?;
+        let full: Vec<Vec<u32>> = options
+            .iter()
+            .map(|o| self.tokenizer.encode(&format!("{text}{o}{after}")))
+            .collect::<std::result::Result<_, _>>()?;
+        // Where every option's tokens part from the text's (an option may merge with its last tokens).
+        let common = |f: &Vec<u32>| base.iter().zip(f).take_while(|(a, b)| a == b).count();
+        let from = full.iter().map(common).min().unwrap_or(base.len());
+        dec.seq.sync(&base[..from])?;
+        let tails: Vec<Vec<u32>> = full.iter().map(|f| f[from..].to_vec()).collect();
+        let probs = normalise(&dec.seq.logprobs(&tails)?);
+        Ok((probs, tails.iter().map(Vec::len).collect()))
+    }
+
     /// Picks one of `options` (each followed by `after`) by the model's probability.
     fn choose(&self, dec: &mut Decoding, text: &mut String, options: &[&str], after: &str) -> Result<()> {
-        let toks: Vec<Vec<u32>> = options
-            .iter()
-            .map(|o| self.tokenizer.encode(&format!("{o}{after}")))
-            .collect::<std::result::Result<_, _>>()?;
-        let logp = dec.seq.logprobs(&toks)?;
-        let probs = normalise(&logp);
+        let (probs, lens) = self.score(dec, text, options, after)?;
         let i = pick(&probs, dec.temperature, &mut dec.rng, None);
-        dec.seq.feed(&toks[i])?;
-        dec.generated += toks[i].len();
+        dec.generated += lens[i];
         text.push_str(options[i]);
         text.push_str(after);
         Ok(())
@@ -277,12 +301,12 @@ impl Runtime {
         let start = text.len();
         while dec.generated < dec.budget {
             dec.check()?;
+            self.settle(dec, text, "")?;
             let tok = dec.sample(|_| true);
             if self.stop_tokens.contains(&tok) {
                 break;
             }
             toks.push(tok);
-            dec.seq.feed(&[tok])?;
             dec.generated += 1;
             text.truncate(start);
             text.push_str(&self.tokenizer.decode(&toks, true)?);

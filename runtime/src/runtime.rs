@@ -33,8 +33,9 @@ pub struct Runtime {
     pub(crate) context_length: usize,
     /// Per token id: `(value, number of digits)` when its text is one or more ASCII digits.
     pub(crate) digit_token: Vec<Option<(u64, u32)>>,
-    /// The token that closes a JSON string (`"`).
-    pub(crate) quote_token: Option<u32>,
+    /// The tokens that close a JSON string: `"` and every token that starts with it (`"}`, `","`: a
+    /// string ends in training with whatever merges with its quote).
+    pub(crate) closing_tokens: Vec<u32>,
     /// Per token id: its text is safe inside a JSON string (no quote, backslash or control character)
     /// and is not a special token.
     pub(crate) string_token: Vec<bool>,
@@ -57,18 +58,21 @@ impl Runtime {
         let vocab = model.cfg.text.vocab_size;
         let specials = [model.cfg.image_token_id, model.cfg.vision_start_token_id, model.cfg.vision_end_token_id];
         let (mut digit_token, mut string_token) = (vec![None; vocab], vec![false; vocab]);
+        let mut closing_tokens = Vec::new();
         for id in 0..vocab as u32 {
             let Ok(text) = tokenizer.decode(&[id], false) else { continue };
             let special = specials.contains(&id) || stop_tokens.contains(&id) || text.contains("<|");
             if !text.is_empty() && text.len() <= MAX_INT_DIGITS && text.bytes().all(|b| b.is_ascii_digit()) {
                 digit_token[id as usize] = text.parse().ok().map(|v| (v, text.len() as u32));
             }
+            if !special && text.starts_with('"') {
+                closing_tokens.push(id);
+            }
             string_token[id as usize] = !special
                 && !text.is_empty()
                 && !text.contains('\u{fffd}')
                 && !text.chars().any(|c| c == '"' || c == '\\' || c.is_control());
         }
-        let quote_token = tokenizer.encode("\"")?.first().copied();
         let ic = &model.image_config;
         let prompt = PromptConfig { min_pixels: ic.min_pixels, max_pixels: ic.max_pixels, ..prompt };
         Ok(Self {
@@ -79,7 +83,7 @@ impl Runtime {
             stop_tokens,
             context_length: model.cfg.text.max_position_embeddings,
             digit_token,
-            quote_token,
+            closing_tokens,
             string_token,
             images: Mutex::new(ByteCache::new()),
             prefixes: Mutex::new(PrefixCache::new(DEFAULT_PREFIX_CACHE_BYTES)),

@@ -2,7 +2,10 @@
 //!
 //! Key choice: its model work goes through a [`Forward`] (the server's packs it with other jobs').
 //! A prompt prefills only what follows its longest cached prefix ([`crate::prefix_cache`]), and options
-//! are scored on copies of the cache, so scoring never changes the sequence.
+//! are scored on copies of the cache, so scoring never changes the sequence. The answer after the prompt
+//! can be brought to any token sequence ([`Seq::sync`]): the KV cache is cut back to the longest common
+//! prefix and the rest is fed, which is how constrained decoding keeps the answer in the tokenisation the
+//! model was trained on.
 
 use askgui_model::mrope_positions;
 use askgui_model::text::KvCache;
@@ -22,6 +25,10 @@ pub(crate) struct Seq<'f> {
     cache: KvCache,
     next: u32,
     pub(crate) logits: Vec<f32>,
+    /// The tokens fed after the prompt, in the cache.
+    answer: Vec<u32>,
+    /// The cache length, next position and logits right after the prompt.
+    prompt: (usize, u32, Vec<f32>),
 }
 
 impl<'f> Seq<'f> {
@@ -50,7 +57,8 @@ impl<'f> Seq<'f> {
         let ItemOut { cache, mut logits } = one(fwd.run(vec![item])?)?;
         rt.prefixes.lock().unwrap_or_else(|p| p.into_inner()).insert(adapter, key, cache.clone());
         let logits = logits.pop().unwrap_or_default();
-        Ok((Self { fwd, cache, next, logits }, start))
+        let prompt = (ids.len(), next, logits.clone());
+        Ok((Self { fwd, cache, next, logits, answer: Vec::new(), prompt }, start))
     }
 
     /// An item running `tokens` after this sequence (on a copy of its cache), with logits for its last
@@ -74,7 +82,29 @@ impl<'f> Seq<'f> {
         self.cache = cache;
         self.next += tokens.len() as u32;
         self.logits = logits.pop().unwrap_or_default();
+        self.answer.extend_from_slice(tokens);
         Ok(())
+    }
+
+    /// Brings the answer after the prompt to exactly `target`: the cache is cut back to the longest
+    /// common prefix (one token further when nothing follows, so that the logits are those after
+    /// `target`), and the rest of `target` is fed.
+    pub(crate) fn sync(&mut self, target: &[u32]) -> Result<()> {
+        let mut keep = self.answer.iter().zip(target).take_while(|(a, b)| a == b).count();
+        if keep == self.answer.len() {
+            return self.feed(&target[keep..]);
+        }
+        if keep == target.len() && keep > 0 {
+            keep -= 1;
+        }
+        let (prompt_len, prompt_next, prompt_logits) = &self.prompt;
+        self.cache = self.cache.truncated(prompt_len + keep)?;
+        self.answer.truncate(keep);
+        self.next = prompt_next + keep as u32;
+        if keep == 0 {
+            self.logits = prompt_logits.clone();
+        }
+        self.feed(&target[keep..])
     }
 
     /// `log p(option | sequence)` for each option, without changing the sequence: the options of more

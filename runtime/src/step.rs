@@ -19,7 +19,7 @@ use crate::error::{Result, RuntimeError};
 use crate::forward::Forward;
 use crate::prompt::Step;
 use crate::runtime::{Runtime, DEFAULT_STEP_TOKENS};
-use crate::sampling::{normalise, pick, sample};
+use crate::sampling::{pick, sample};
 use crate::sequence::Seq;
 
 /// The answer to one step.
@@ -111,27 +111,25 @@ impl Runtime {
         let preprocess_ms = t_start.elapsed().as_secs_f64() * 1e3;
 
         let t0 = Instant::now();
-        let (seq, cached) = Seq::prefill(self, fwd, &ids, &prompt.images)?;
+        let (seq, cached) = Seq::prefill(self, fwd, &prompt.ids, &prompt.images)?;
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
         let t0 = Instant::now();
-        // The exact distribution over action names: log p of each name's closing `name"` tokens.
-        let names: Vec<Vec<u32>> = ACTION_NAMES
-            .iter()
-            .map(|n| self.tokenizer.encode(&format!("{n}\"")))
-            .collect::<std::result::Result<_, _>>()?;
-        let probs = normalise(&seq.logprobs(&names)?);
-        let ask = ACTION_NAMES.iter().position(|&n| n == "ask").expect("ask is an action");
-        let ask_probability = probs[ask];
         let temperature = opts.temperature.unwrap_or(0.0);
         let mut dec = Decoding::new(seq, temperature, opts.seed.unwrap_or(0), 0, cancelled);
+        // The exact distribution over action names after the forced prefix, each name in the
+        // tokenisation training gives it (no name is a prefix of another).
+        let mut text = String::from("{\"action\":\"");
+        let (probs, lens) = self.score(&mut dec, &text, &ACTION_NAMES, "")?;
+        let ask = ACTION_NAMES.iter().position(|&n| n == "ask").expect("ask is an action");
+        let ask_probability = probs[ask];
         let choice = match opts.pause_threshold {
             Some(th) if ask_probability >= th => ask,
             Some(_) => pick(&probs, temperature, &mut dec.rng, Some(ask)),
             None => pick(&probs, temperature, &mut dec.rng, None),
         };
-        dec.seq.feed(&names[choice])?;
-        let mut text = format!("{{\"action\":\"{}\"", ACTION_NAMES[choice]);
-        dec.budget = max_tokens.saturating_sub(names[choice].len());
+        text.push_str(ACTION_NAMES[choice]);
+        text.push('"');
+        dec.budget = max_tokens.saturating_sub(lens[choice]);
         if opts.constrain.unwrap_or(true) {
             let schema = Schema {
                 frame: prompt.frame.model,
@@ -160,7 +158,7 @@ impl Runtime {
                 prompt_tokens: prompt.ids.len(),
                 image_tokens: prompt.image_tokens,
                 cached_tokens: cached,
-                completion_tokens: prefix.len() + names[choice].len() + dec.generated,
+                completion_tokens: prefix.len() + lens[choice] + dec.generated,
             },
             timings: Timings { queue_ms: 0.0, preprocess_ms, prefill_ms, decode_ms },
         })

@@ -33,7 +33,7 @@ fn runtime() -> &'static (Runtime, Vec<String>) {
     })
 }
 
-/// A forward that favours the tokens continuing `target` (the answer after the forced `{"action":"`):
+/// A forward that favours the tokens continuing `target` (the whole answer, after the prompt):
 /// each token whose text is a prefix of what is left gets `10 + its length`, every other token 0. It
 /// keeps the sequence's tokens by position, so forks (options scored on a copy) and the chosen
 /// continuation each see their own text.
@@ -46,8 +46,7 @@ struct Steer<'t> {
 
 impl<'t> Steer<'t> {
     fn new(texts: &'t [String], answer: &str) -> Self {
-        let target = answer.strip_prefix("{\"action\":\"").expect("an action object").to_string();
-        Self { texts, target, seen: RefCell::default(), prompt_end: Cell::new(None) }
+        Self { texts, target: answer.to_string(), seen: RefCell::default(), prompt_end: Cell::new(None) }
     }
 
     fn row(&self, seen: &BTreeMap<u32, u32>, end: u32, at: u32) -> Vec<f32> {
@@ -73,7 +72,7 @@ impl Forward for Steer<'_> {
                 seen.insert(p[0], id);
             }
             let last = it.positions.last().expect("tokens")[0];
-            // The first item is the prompt (with the forced prefix): the answer starts after it.
+            // The first item is the prompt: the answer starts after it.
             let end = *self.prompt_end.get().get_or_insert(last);
             self.prompt_end.set(Some(end));
             let rows = &it.positions[it.ids.len() - it.logits_rows..];
