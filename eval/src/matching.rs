@@ -266,17 +266,17 @@ pub fn normalize_name(n: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use askgui_data::{DoneStatus, Target};
 
-    const SCREEN: Screen = Screen { width: 1000, height: 2000 };
+    pub(crate) const SCREEN: Screen = Screen { width: 1000, height: 2000 };
 
-    fn click(x: i32, y: i32) -> Action {
+    pub(crate) fn click(x: i32, y: i32) -> Action {
         Action::Click(Target::point(x, y))
     }
 
-    fn el(id: &str, bbox: [i32; 4]) -> Element {
+    pub(crate) fn el(id: &str, bbox: [i32; 4]) -> Element {
         Element { id: id.into(), role: String::new(), text: String::new(), bbox }
     }
 

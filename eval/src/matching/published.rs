@@ -125,17 +125,8 @@ pub fn same_token_set(pred: &str, gold: &str, fold_case: bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::matching::tests::{click, el, SCREEN};
     use askgui_data::Direction;
-
-    const SCREEN: Screen = Screen { width: 1000, height: 2000 };
-
-    fn click(x: i32, y: i32) -> Action {
-        Action::Click(Target::point(x, y))
-    }
-
-    fn el(id: &str, bbox: [i32; 4]) -> Element {
-        Element { id: id.into(), role: String::new(), text: String::new(), bbox }
-    }
 
     #[test]
     fn android_control_taps_follow_aitw() {
