@@ -33,8 +33,9 @@ enum Command {
         /// The dataset's format.
         #[arg(value_enum)]
         format: Format,
-        /// The dataset folder (screenagent, gui-odyssey), JSONL file (mind2web), or for android-control its
-        /// TFRecord files (one, or a folder of the published `android_control-*-of-*`) or a JSONL export.
+        /// The dataset folder (screenagent, gui-odyssey); for mind2web its parquet shards (one, or the folder of
+        /// the published `*.parquet`) or a JSONL of rows; for android-control its TFRecord files (one, or a
+        /// folder of the published `android_control-*-of-*`) or a JSONL export.
         #[arg(long)]
         input: PathBuf,
         /// Output folder: episodes.jsonl and images/.

@@ -1,8 +1,9 @@
-//! Converter: **Multimodal-Mind2Web** (osunlp/Multimodal-Mind2Web; one row per action). Input: a JSONL of rows with
+//! Converter: **Multimodal-Mind2Web** (osunlp/Multimodal-Mind2Web; one row per action). Input: its published parquet
+//! shards (a file, or a folder of them: [`super::mind2web_parquet`]) or a JSONL of the same rows, with
 //! `annotation_id`, `action_uid`, `confirmed_task`, `operation` (JSON string `{"op", "original_op", "value"}`),
 //! `pos_candidates` (JSON strings whose `attributes` JSON holds `bounding_box_rect` "x,y,w,h"), `target_action_index`,
-//! `target_action_reprs`, and `screenshot` (base64 or a path relative to the file). Rows are grouped by `annotation_id`
-//! and ordered by `target_action_index`; platform web. The target is the first positive candidate: the step's
+//! `target_action_reprs`, and `screenshot` (the image column's bytes; in JSONL base64 or a path relative to the file).
+//! Rows are grouped by `annotation_id` and ordered by `target_action_index`; platform web. The target is the first positive candidate: the step's
 //! `elements` holds its box (id `backend_node_id`) and the click lands on the box's centre. `CLICK` -> click; its
 //! `original_op` `ENTER` -> `press enter` (the element had the focus; a click would not submit); `TYPE` -> click on the
 //! element, then `type` of the value; `SELECT` -> click on the `<select>`, then `type` of the option (browsers select
@@ -10,11 +11,13 @@
 //! within a task; an episode has one screen, so smaller ones are padded white at the right and bottom, which keeps
 //! every coordinate where the dataset put it. No `done`: there is no final screenshot.
 
+use super::mind2web_parquet::{parquet_files, row_json, screenshot, Shard, COLUMNS, SCREENSHOT};
 use super::*;
 
 /// One Mind2Web row, read and checked, with its screenshot.
 struct M2wRow {
-    line: usize,
+    /// Where the row is, for messages: `line 3` (JSONL) or `<file> row 2` (parquet).
+    place: String,
     uid: String,
     op: String,
     original_op: String,
@@ -25,7 +28,13 @@ struct M2wRow {
     size: Screen,
 }
 
-fn m2w_row(line: usize, v: &Value, base: &Path) -> Result<M2wRow, String> {
+/// A row's task: its `annotation_id` and `confirmed_task`.
+fn task_of(v: &Value) -> Result<(String, String), String> {
+    Ok((id_of(v, "annotation_id")?, text(v, "confirmed_task")?.trim().to_string()))
+}
+
+/// A row checked, with the screenshot bytes from `shot` (read last: they are the large part).
+fn m2w_row(place: String, v: &Value, shot: impl FnOnce() -> Result<Vec<u8>, String>) -> Result<M2wRow, String> {
     let index = num(v, "target_action_index")? as i64;
     let uid = id_of(v, "action_uid").unwrap_or_else(|_| format!("step{index}"));
     let op = nested(v.get("operation").ok_or("missing `operation`")?).map_err(|e| format!("`operation`: {e}"))?;
@@ -55,9 +64,9 @@ fn m2w_row(line: usize, v: &Value, base: &Path) -> Result<M2wRow, String> {
         repr.split_once(']').map(|(_, r)| r).unwrap_or("").rsplit_once("->").map(|(t, _)| t.trim()).unwrap_or("");
     let bbox = [x.floor() as i32, y.floor() as i32, (x + w).ceil() as i32, (y + h).ceil() as i32];
     let element = Element { id, role, text: el_text.to_string(), bbox };
-    let bytes = image_bytes(v.get("screenshot").ok_or("missing `screenshot`")?, base)?;
+    let bytes = shot()?;
     let (ext, size) = image_info(&bytes)?;
-    Ok(M2wRow { line, uid, op: op_name, original_op, value, element, bytes, ext, size })
+    Ok(M2wRow { place, uid, op: op_name, original_op, value, element, bytes, ext, size })
 }
 
 /// Where a row is: (`target_action_index`, line number, byte offset).
@@ -68,7 +77,15 @@ pub fn convert_mind2web(input: &Path, out: &Path) -> Result<ConvertReport, Conve
     convert_mind2web_with(input, out, ConvertOptions::default())
 }
 
+/// Converts parquet shards (a `.parquet` file, or a folder of them) or a JSONL of rows.
 pub fn convert_mind2web_with(input: &Path, out: &Path, opts: ConvertOptions) -> Result<ConvertReport, ConvertError> {
+    match parquet_files(input)? {
+        Some(files) => convert_parquet(input, &files, out, opts),
+        None => convert_jsonl(input, out, opts),
+    }
+}
+
+fn convert_jsonl(input: &Path, out: &Path, opts: ConvertOptions) -> Result<ConvertReport, ConvertError> {
     let base = input.parent().map(Path::to_path_buf).unwrap_or_default();
     info!("Multimodal-Mind2Web: action rows from {}", input.display());
     let mut o = Output::create(out, opts)?;
@@ -83,18 +100,16 @@ pub fn convert_mind2web_with(input: &Path, out: &Path, opts: ConvertOptions) -> 
                 return o.bad(&at, &format!("not valid JSON ({e})"), "row skipped");
             }
         };
-        match (id_of(&v, "annotation_id"), text(&v, "confirmed_task")) {
-            (Ok(aid), Ok(task)) => {
+        match task_of(&v) {
+            Ok((aid, task)) => {
                 let k = *by_id.entry(aid.clone()).or_insert_with(|| {
-                    tasks.push((aid, task.trim().to_string(), vec![]));
+                    tasks.push((aid, task, vec![]));
                     tasks.len() - 1
                 });
                 let index = num(&v, "target_action_index").map(|i| i as i64).unwrap_or(i64::MAX);
                 tasks[k].2.push((index, line, offset));
             }
-            (Err(e), _) | (_, Err(e)) => {
-                o.bad(&format!("mind2web {} line {line}", input.display()), &e, "row skipped")?
-            }
+            Err(e) => o.bad(&format!("mind2web {} line {line}", input.display()), &e, "row skipped")?,
         }
         Ok(())
     })?;
@@ -106,7 +121,9 @@ pub fn convert_mind2web_with(input: &Path, out: &Path, opts: ConvertOptions) -> 
         for (_, line, offset) in rows {
             let raw = line_at(&mut file, input, offset)?;
             let v = serde_json::from_str(&raw).map_err(|e| format!("not valid JSON ({e})"));
-            parsed.push(v.and_then(|v| m2w_row(line, &v, &base)).map_err(|e| format!("line {line}: {e}")));
+            let shot = |v: &Value| image_bytes(v.get(SCREENSHOT).ok_or("missing `screenshot`")?, &base);
+            let row = v.and_then(|v| m2w_row(format!("line {line}"), &v, || shot(&v)));
+            parsed.push(row.map_err(|e| format!("line {line}: {e}")));
         }
         let at = format!("mind2web {} task {aid}", input.display());
         if let Some(ep) = m2w_episode(&aid, task, parsed, &at, &mut o)? {
@@ -114,6 +131,98 @@ pub fn convert_mind2web_with(input: &Path, out: &Path, opts: ConvertOptions) -> 
         }
     }
     o.finish(input)
+}
+
+/// A task's rows, in file order, with `target_action_index` (`i64::MAX` when unreadable) to order them by.
+type TaskRows = Vec<(i64, Result<M2wRow, String>)>;
+
+/// The parquet path: a light pass reads each row's task, a full pass parses the rows and makes a task's episode as
+/// soon as its last row is read (a task's rows are adjacent in the published shards, so few are held at once).
+fn convert_parquet(
+    input: &Path,
+    files: &[PathBuf],
+    out: &Path,
+    opts: ConvertOptions,
+) -> Result<ConvertReport, ConvertError> {
+    info!("Multimodal-Mind2Web: {} parquet file(s) from {}", files.len(), input.display());
+    let mut o = Output::create(out, opts)?;
+    let mut shards = vec![];
+    for file in files {
+        shards.extend(Shard::open(file, &mut o)?);
+    }
+    let (tasks, row_task) = parquet_tasks(&shards, &mut o)?;
+    let mut pending: HashMap<usize, TaskRows> = HashMap::new();
+    let columns: Vec<&str> = COLUMNS.iter().copied().chain([SCREENSHOT]).collect();
+    for (s, of_rows) in shards.iter().zip(&row_task) {
+        s.rows(&columns, Some(of_rows.len()), &mut o, |o, n, row| {
+            let Some(&Some(k)) = of_rows.get(n) else { return Ok(()) };
+            let (index, parsed) = match row_json(&row) {
+                Ok(v) => {
+                    let index = num(&v, "target_action_index").map(|i| i as i64).unwrap_or(i64::MAX);
+                    (index, m2w_row(s.at(n), &v, || screenshot(&row)))
+                }
+                Err(e) => (i64::MAX, Err(e)),
+            };
+            let rows = pending.entry(k).or_default();
+            rows.push((index, parsed.map_err(|e| format!("{}: {e}", s.at(n)))));
+            if rows.len() < tasks[k].2 {
+                return Ok(());
+            }
+            let rows = pending.remove(&k).unwrap_or_default();
+            m2w_task(&tasks[k], rows, o)
+        })?;
+    }
+    // Tasks whose last rows could not be read (reported): what was read of them.
+    let mut left: Vec<(usize, TaskRows)> = pending.into_iter().collect();
+    left.sort_by_key(|(k, _)| *k);
+    for (k, rows) in left {
+        m2w_task(&tasks[k], rows, &mut o)?;
+    }
+    o.finish(input)
+}
+
+/// A task: `annotation_id`, `confirmed_task`, its number of rows.
+type Task = (String, String, usize);
+
+/// Each row's task (an index into the tasks), by shard; `None`: a bad row, reported.
+type RowTasks = Vec<Vec<Option<usize>>>;
+
+/// The light pass: tasks in order of first appearance, and each row's task.
+fn parquet_tasks(shards: &[Shard], o: &mut Output) -> Result<(Vec<Task>, RowTasks), ConvertError> {
+    let mut tasks: Vec<Task> = vec![];
+    let mut row_task = vec![];
+    let mut by_id: HashMap<String, usize> = HashMap::new();
+    for s in shards {
+        let mut of_rows = vec![];
+        s.rows(&COLUMNS[..2], None, o, |o, n, row| {
+            let k = match row_json(&row).and_then(|v| task_of(&v)) {
+                Ok((aid, task)) => *by_id.entry(aid.clone()).or_insert_with(|| {
+                    tasks.push((aid, task, 0));
+                    tasks.len() - 1
+                }),
+                Err(e) => {
+                    of_rows.push(None);
+                    return o.bad(&format!("mind2web {}", s.at(n)), &e, "row skipped");
+                }
+            };
+            tasks[k].2 += 1;
+            of_rows.push(Some(k));
+            Ok(())
+        })?;
+        row_task.push(of_rows);
+    }
+    Ok((tasks, row_task))
+}
+
+/// A task's episode from its parquet rows, ordered by `target_action_index`.
+fn m2w_task(task: &Task, mut rows: TaskRows, o: &mut Output) -> Result<(), ConvertError> {
+    rows.sort_by_key(|r| r.0);
+    let (aid, text) = (&task.0, task.1.clone());
+    let at = format!("mind2web task {aid}");
+    if let Some(ep) = m2w_episode(aid, text, rows.into_iter().map(|r| r.1).collect(), &at, o)? {
+        o.push(ep, &at)?;
+    }
+    Ok(())
 }
 
 fn m2w_episode(
@@ -151,7 +260,7 @@ fn m2w_episode(
         if x1 >= x2 || y1 >= y2 {
             let why =
                 format!("target box {:?} is outside the {}x{} screenshot", r.element.bbox, r.size.width, r.size.height);
-            o.bad(&format!("{at} line {}", r.line), &why, "the episode is cut before it")?;
+            o.bad(&format!("{at} {}", r.place), &why, "the episode is cut before it")?;
             break;
         }
         let (bytes, ext) = if r.size == screen {
@@ -160,7 +269,7 @@ fn m2w_episode(
             match pad_png(&r.bytes, screen) {
                 Ok(b) => (b, "png"),
                 Err(e) => {
-                    o.bad(&format!("{at} line {}", r.line), &e, "the episode is cut before it")?;
+                    o.bad(&format!("{at} {}", r.place), &e, "the episode is cut before it")?;
                     break;
                 }
             }
@@ -174,12 +283,12 @@ fn m2w_episode(
             ("CLICK", _) => vec![click],
             ("TYPE" | "SELECT", _) if !r.value.trim().is_empty() => vec![click, Action::Type { text: r.value.clone() }],
             ("TYPE" | "SELECT", _) => {
-                warn!("{at} line {}: {} without a value: only the click is kept", r.line, r.op);
+                warn!("{at} {}: {} without a value: only the click is kept", r.place, r.op);
                 vec![click]
             }
             (op, _) => {
                 let why = format!("unknown operation {op:?}");
-                o.bad(&format!("{at} line {}", r.line), &why, "the episode is cut before it")?;
+                o.bad(&format!("{at} {}", r.place), &why, "the episode is cut before it")?;
                 break;
             }
         };

@@ -386,6 +386,7 @@ mod android_control_a11y;
 mod android_control_tfrecord;
 mod gui_odyssey;
 mod mind2web;
+mod mind2web_parquet;
 mod screenagent;
 
 pub use android_control::{convert_android_control, convert_android_control_split, convert_android_control_with};
