@@ -1,8 +1,8 @@
 //! Step matching: is a predicted action the annotated one?
 //!
 //! Which rules score a step depends on where its episode came from ([`RuleSet`], `--match-rules`, by
-//! default chosen from the converter's id prefix): AndroidControl and Mind2Web episodes are scored as
-//! those datasets' published evaluations score them ([`published`]); every other episode (the synthetic
+//! default chosen from the converter's id prefix): AndroidControl, Mind2Web and GUI-Odyssey episodes are
+//! scored as those datasets' published evaluations score them ([`published`]); every other episode (the synthetic
 //! world) by our own rules, made explicit and configurable ([`MatchConfig`], also clap arguments):
 //! - the action types must be equal (`click` never matches `long_press`);
 //! - click-like actions (click, long_press, double_click, right_click): when the annotated action has a
@@ -29,8 +29,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum RuleSet {
-    /// By the episode's source: ids `androidcontrol-...` and `mind2web-...` (the converters' prefixes) get
-    /// that dataset's rules, every other episode the synthetic world's.
+    /// By the episode's source: ids `androidcontrol-...`, `mind2web-...` and `guiodyssey-...` (the
+    /// converters' prefixes) get that dataset's rules, every other episode the synthetic world's.
     #[default]
     Auto,
     /// Our rules ([`MatchConfig::matches`]) for every episode.
@@ -39,6 +39,8 @@ pub enum RuleSet {
     AndroidControl,
     /// Mind2Web's element accuracy and operation F1 = 1 (see [`published`]).
     Mind2Web,
+    /// GUI-Odyssey's own action matching (see [`published`]).
+    GuiOdyssey,
 }
 
 impl RuleSet {
@@ -47,6 +49,9 @@ impl RuleSet {
         match self {
             RuleSet::Auto if id.starts_with("androidcontrol-") => RuleSet::AndroidControl,
             RuleSet::Auto if id.starts_with("mind2web-") => RuleSet::Mind2Web,
+            // Not AndroidControl's AITW rule, though both are Android: GUI-Odyssey's evaluation compares
+            // text leniently and scrolls by direction, where AITW compares no text and gestures by axis.
+            RuleSet::Auto if id.starts_with("guiodyssey-") => RuleSet::GuiOdyssey,
             RuleSet::Auto => RuleSet::Synthetic,
             other => other,
         }
@@ -100,6 +105,7 @@ impl MatchConfig {
         match self.rules.resolve(&ep.id) {
             RuleSet::AndroidControl => published::android_control(self, pred, &s.action, ep.screen, els),
             RuleSet::Mind2Web => published::mind2web(self, pred, &s.action, ep.screen, els),
+            RuleSet::GuiOdyssey => published::gui_odyssey(self, pred, &s.action, ep.screen, els),
             RuleSet::Auto | RuleSet::Synthetic => self.matches(pred, &s.action, ep.screen, els),
         }
     }
@@ -367,6 +373,7 @@ pub(crate) mod tests {
         };
         assert_eq!(RuleSet::Auto.resolve("androidcontrol-42"), RuleSet::AndroidControl);
         assert_eq!(RuleSet::Auto.resolve("mind2web-abc"), RuleSet::Mind2Web);
+        assert_eq!(RuleSet::Auto.resolve("guiodyssey-9"), RuleSet::GuiOdyssey);
         assert_eq!(RuleSet::Auto.resolve("synth-7"), RuleSet::Synthetic);
         assert_eq!(RuleSet::Synthetic.resolve("mind2web-abc"), RuleSet::Synthetic);
         // "oat milk" against "oat milk latte": token F1 0.8 > 0.5 by our rules; the token sets differ, so
@@ -376,6 +383,8 @@ pub(crate) mod tests {
         assert!(m.matches_step(&pred, &ep("synth-7"), 0));
         assert!(!m.matches_step(&pred, &ep("androidcontrol-42"), 0));
         assert!(!m.matches_step(&pred, &ep("mind2web-abc"), 0));
+        // GUI-Odyssey's: one text inside the other is enough.
+        assert!(m.matches_step(&pred, &ep("guiodyssey-9"), 0));
         let forced = MatchConfig { rules: RuleSet::Synthetic, ..m };
         assert!(forced.matches_step(&pred, &ep("mind2web-abc"), 0));
     }

@@ -1,5 +1,5 @@
-//! Step matching of the datasets' own evaluations, for episodes converted from AndroidControl and
-//! Multimodal-Mind2Web (Navi-plus §3.1 says it follows them: "the target element and text").
+//! Step matching of the datasets' own evaluations, for episodes converted from AndroidControl,
+//! Multimodal-Mind2Web (Navi-plus §3.1 says it follows them: "the target element and text") and GUI-Odyssey.
 //!
 //! - AndroidControl publishes no evaluation code (google-research/android_control holds the README and
 //!   images only), so its steps use the action matching its authors' group published for AITW
@@ -10,6 +10,11 @@
 //! - Mind2Web (OSU-NLP-Group/Mind2Web, `ActionEvaluatorMultiChoice`): a step is right when the element is
 //!   a positive candidate and the operation F1 is 1, i.e. the whitespace token sets of `op value` are
 //!   equal (as written, case kept). On screenshots: the point inside the target element's box.
+//! - GUI-Odyssey (OpenGVLab/GUI-Odyssey, `src/eval_mm/GUIOdyssey_action_matching.py`): same action type;
+//!   click and long press within 0.14 in coordinates normalised by the screen (its 0..1000 grid), or inside
+//!   a SAM2 box given beside the dataset (not in converted episodes); text when one trimmed text contains
+//!   the other or their normalised Levenshtein similarity is at least 0.5; scroll by its direction; other
+//!   actions by type (its home, back and app-switch are types: our key).
 
 use askgui_data::{Action, Element, Screen, Segment, Target};
 
@@ -50,6 +55,57 @@ pub fn mind2web(cfg: &MatchConfig, pred: &Action, gold: &Action, screen: Screen,
         (Action::Type { text: p }, Action::Type { text: g }) => same_token_set(p, g, false),
         _ => cfg.matches(pred, gold, screen, elements),
     }
+}
+
+/// GUI-Odyssey steps (see the module header).
+pub fn gui_odyssey(
+    cfg: &MatchConfig,
+    pred: &Action,
+    gold: &Action,
+    screen: Screen,
+    elements: Option<&[Element]>,
+) -> bool {
+    match (pred, gold) {
+        (Action::Click(p), Action::Click(g)) | (Action::LongPress(p), Action::LongPress(g)) => {
+            match (point_of(p, elements), point_of(g, elements)) {
+                (Some(pp), Some(gp)) => cfg.near(pp, gp, screen),
+                _ => false,
+            }
+        }
+        (Action::Type { text: p }, Action::Type { text: g }) => odyssey_text_match(p, g),
+        // Swipes (its scrolls) by direction, keys, done status: our rules say the same.
+        _ => cfg.matches(pred, gold, screen, elements),
+    }
+}
+
+/// GUI-Odyssey's `TEXT_ANLS_THRESHOLD`: the least `1 - levenshtein / longer length` that matches.
+pub const ODYSSEY_TEXT_SIMILARITY: f64 = 0.5;
+
+/// GUI-Odyssey's `text_matching`: after trimming, one text contains the other (so an empty one matches
+/// anything, as there), or the normalised Levenshtein similarity (in characters) is at least 0.5.
+pub fn odyssey_text_match(pred: &str, gold: &str) -> bool {
+    let (p, g) = (pred.trim(), gold.trim());
+    if p.contains(g) || g.contains(p) {
+        return true;
+    }
+    let (p, g): (Vec<char>, Vec<char>) = (p.chars().collect(), g.chars().collect());
+    let longer = p.len().max(g.len());
+    1.0 - levenshtein(&p, &g) as f64 / longer as f64 >= ODYSSEY_TEXT_SIMILARITY
+}
+
+/// Edits (insert, delete, substitute) from `a` to `b`.
+fn levenshtein(a: &[char], b: &[char]) -> usize {
+    let mut row: Vec<usize> = (0..=a.len()).collect();
+    for (j, cb) in b.iter().enumerate() {
+        let mut prev = row[0];
+        row[0] = j + 1;
+        for (i, ca) in a.iter().enumerate() {
+            let next = if ca == cb { prev } else { 1 + prev.min(row[i]).min(row[i + 1]) };
+            prev = row[i + 1];
+            row[i + 1] = next;
+        }
+    }
+    row[a.len()]
 }
 
 /// The point of a target: its own, or the centre of the element it names.
@@ -161,6 +217,31 @@ mod tests {
         let press = |k: &str| Action::Press { key: k.into() };
         assert!(android_control(&m, &press("KEYCODE_BACK"), &press("back"), SCREEN, None));
         assert!(!android_control(&m, &press("home"), &press("back"), SCREEN, None));
+    }
+
+    #[test]
+    fn gui_odyssey_distance_lenient_text_and_directions() {
+        let m = MatchConfig::default();
+        // Distance only: dx 0.14 matches, 0.15 does not, even inside a shared element box (no AITW boxes).
+        assert!(gui_odyssey(&m, &click(640, 1000), &click(500, 1000), SCREEN, None));
+        let els = [el("b", [300, 900, 700, 1100])];
+        assert!(!gui_odyssey(&m, &click(650, 1000), &click(500, 1000), SCREEN, Some(&els)));
+        let ty = |t: &str| Action::Type { text: t.into() };
+        // Containment: "oat milk" is in " oat milk latte" (trimmed); case is kept.
+        assert!(gui_odyssey(&m, &ty("oat milk"), &ty(" oat milk latte"), SCREEN, None));
+        assert!(!gui_odyssey(&m, &ty("OAT MILK"), &ty("oat milk latte"), SCREEN, None));
+        // "kitten" -> "sitting": 3 edits of 7, similarity 0.571 >= 0.5; "abcd" -> "wxyz": 0.
+        assert!(gui_odyssey(&m, &ty("kitten"), &ty("sitting"), SCREEN, None));
+        assert!(!gui_odyssey(&m, &ty("abcd"), &ty("wxyz"), SCREEN, None));
+        // "abcdef" -> "abxyzf": 3 edits of 6, exactly 0.5: matches; "abcdef" -> "axyzwf": 4 of 6 does not.
+        assert!(odyssey_text_match("abcdef", "abxyzf"));
+        assert!(!odyssey_text_match("abcdef", "axyzwf"));
+        // Scrolls (swipes in converted episodes) by direction: up and down differ, unlike AITW's axis rule.
+        let sw = |y1, y2| Action::Swipe(Segment { x1: 500, y1, x2: 500, y2 });
+        assert!(!gui_odyssey(&m, &sw(1500, 500), &sw(500, 1500), SCREEN, None));
+        assert!(gui_odyssey(&m, &sw(1400, 600), &sw(1500, 500), SCREEN, None));
+        let press = |k: &str| Action::Press { key: k.into() };
+        assert!(!gui_odyssey(&m, &press("home"), &press("back"), SCREEN, None));
     }
 
     #[test]
