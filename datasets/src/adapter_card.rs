@@ -3,7 +3,8 @@
 //!
 //! Key choice: the card holds exactly what changes what the model sees (the system prompt, the coordinate
 //! frame, the history and element settings, the image processor's pixel bounds), resolved (never "0: the
-//! checkpoint's"). Unknown keys are ignored and `version` says the layout, so an older reader loads a newer
+//! checkpoint's"), and the one decoding default chosen on data: the pause level `askgui-eval calibrate`
+//! picked on a validation split ([`CardPause`]), which a request's own `pause_threshold` overrides. Unknown keys are ignored and `version` says the layout, so an older reader loads a newer
 //! card. A flag given on the command line still wins over the card, with a warning naming the setting.
 
 use std::path::Path;
@@ -35,6 +36,25 @@ pub struct AdapterCard {
     pub askgui_version: String,
     pub prompt: CardPrompt,
     pub image: CardImage,
+    /// The calibrated pause level (absent until `askgui-eval calibrate` writes one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause: Option<CardPause>,
+}
+
+/// The pause level chosen on a validation split: serve and eval answer `ask` exactly when the model's
+/// `ask_probability` is at least `threshold`, unless a request or flag gives its own.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct CardPause {
+    pub threshold: f64,
+    /// The per-step ask false-positive bound it was chosen under.
+    pub target_fpr: f64,
+    /// The episode file it was chosen on.
+    pub episodes: String,
+    /// Strict ASK F1 and per-step ask FPR at `threshold` on those episodes.
+    pub strict_f1: Option<f64>,
+    pub fpr: Option<f64>,
+    /// Whether some threshold met `target_fpr` there (else `threshold` is the one with the lowest FPR).
+    pub bound_met: bool,
 }
 
 /// What the prompt renderer was given.
@@ -74,7 +94,13 @@ impl AdapterCard {
                 history_length,
             },
             image: CardImage { min_pixels: prompt.min_pixels, max_pixels: prompt.max_pixels },
+            pause: None,
         }
+    }
+
+    /// The calibrated pause threshold, if any.
+    pub fn pause_threshold(&self) -> Option<f64> {
+        self.pause.as_ref().map(|p| p.threshold)
     }
 
     /// Writes `dir/askgui.json`.

@@ -6,6 +6,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use askgui_data::adapter_card::CardPause;
 use askgui_data::{AdapterCard, PromptConfig, SystemPrompt};
 use askgui_eval::backends::from_args;
 use askgui_eval::identity::AgentIdentity;
@@ -79,4 +80,28 @@ fn the_adapter_card_is_the_default_and_a_different_flag_wins_with_a_warning() {
     let (flagged, logged) = load(&["--model", TINY, "--adapter", adapter, "--system-prompt", "full"]);
     assert_eq!(flagged.prompt.system_prompt, Some(SystemPrompt::Full));
     assert!(logged.contains("--system-prompt Full") && logged.contains("system-prompt = Compact"), "{logged}");
+}
+
+/// `askgui-eval calibrate`'s pause level in the card is the agent's default `pause_threshold`; the flag
+/// wins.
+#[test]
+fn the_cards_calibrated_pause_threshold_is_the_default_and_the_flag_wins() {
+    let dir = adapter_with_card();
+    let mut card = AdapterCard::read(&dir).unwrap().unwrap();
+    card.pause = Some(CardPause {
+        threshold: 0.37,
+        target_fpr: 0.05,
+        episodes: "val.jsonl".into(),
+        strict_f1: Some(0.9),
+        fpr: Some(0.01),
+        bound_met: true,
+    });
+    card.write(&dir).unwrap();
+    let adapter = dir.to_str().unwrap();
+    let (carded, _) = load(&["--model", TINY, "--adapter", adapter]);
+    assert_eq!(carded.decoding.pause_threshold, Some(0.37));
+    let (flagged, _) = load(&["--model", TINY, "--adapter", adapter, "--pause-threshold", "0.8"]);
+    assert_eq!(flagged.decoding.pause_threshold, Some(0.8));
+    let (plain, _) = load(&["--model", TINY, "--adapter", PEFT]);
+    assert_eq!(plain.decoding.pause_threshold, None, "no card, no threshold: the model's own choice");
 }

@@ -23,6 +23,7 @@ use crate::batcher::{Batcher, Client};
 use crate::config::Config;
 pub use jobs::runtime_step;
 use jobs::Jobs;
+pub use jobs::PauseLevels;
 use runner::Runner;
 
 /// How the backend is built.
@@ -111,7 +112,9 @@ impl ModelBackend {
         let mut model = Qwen2Vl::load_with(&cfg.model, &device, dtype, cfg.kernels)
             .with_context(|| format!("loading the model {}", cfg.model))?;
         let mut cards = Vec::new();
+        let mut pauses = PauseLevels::default();
         if let Some(c) = AdapterCard::read(&model.files.dir)? {
+            pauses.base = c.pause_threshold();
             cards.push((format!("the model {}", cfg.model), c));
         }
         for (name, dir) in &cfg.adapters {
@@ -119,15 +122,19 @@ impl ModelBackend {
                 .load_adapter(name, dir)
                 .with_context(|| format!("loading adapter `{name}` from {}", dir.display()))?;
             if let Some(c) = AdapterCard::read(dir)? {
+                pauses.adapters.extend(c.pause_threshold().map(|t| (name.clone(), t)));
                 cards.push((format!("adapter `{name}`"), c));
             }
+        }
+        if pauses.base.is_some() || !pauses.adapters.is_empty() {
+            tracing::info!(?pauses, "calibrated pause thresholds (askgui.json); a request's pause_threshold wins");
         }
         let flags = cfg.prompt.with_card(served_card(&cfg.prompt, &cards)?.as_ref());
         apply_image_bounds(&mut model, &flags)?;
         let prompt = served_prompt(&flags);
         let ic = &model.image_config;
         tracing::info!(?prompt.system_prompt, ?prompt.frame, min_pixels = ic.min_pixels, max_pixels = ic.max_pixels, "prompt settings");
-        Ok(Self::new(model, &cfg.model, prompt)?.with_prefix_cache(cfg.prefix_cache_bytes))
+        Ok(Self::new(model, &cfg.model, prompt)?.with_pause_levels(pauses).with_prefix_cache(cfg.prefix_cache_bytes))
     }
 
     /// Wraps a loaded model (its adapters already loaded), served under `model_id` with `prompt`.
@@ -136,7 +143,14 @@ impl ModelBackend {
         let mut adapters: Vec<String> = model.adapter_names().into_iter().map(String::from).collect();
         adapters.sort();
         let info = BackendInfo { model: model_id.into(), adapters, context_length: runtime.context_length() };
-        Ok(Self { runner: Runner { packed: Packed::new(model) }, jobs: Jobs { runtime, info } })
+        let jobs = Jobs { runtime, info, pauses: PauseLevels::default() };
+        Ok(Self { runner: Runner { packed: Packed::new(model) }, jobs })
+    }
+
+    /// Sets the calibrated pause thresholds requests default to.
+    pub fn with_pause_levels(mut self, pauses: PauseLevels) -> Self {
+        self.jobs.pauses = pauses;
+        self
     }
 
     /// [`Self::new`] with the default prompt settings.
@@ -146,8 +160,8 @@ impl ModelBackend {
 
     /// Sets the prefix cache's size in bytes (0: no reuse).
     pub fn with_prefix_cache(self, bytes: usize) -> Self {
-        let Self { runner, jobs: Jobs { runtime, info } } = self;
-        Self { runner, jobs: Jobs { runtime: runtime.with_prefix_cache(bytes), info } }
+        let Self { runner, jobs: Jobs { runtime, info, pauses } } = self;
+        Self { runner, jobs: Jobs { runtime: runtime.with_prefix_cache(bytes), info, pauses } }
     }
 
     /// The runtime every job answers through (its prompt settings and tokenizer).
@@ -157,7 +171,8 @@ impl ModelBackend {
 
     /// One agent step with the model's active adapter (what `POST /v1/agent/step` runs, without a server).
     pub fn step(&mut self, job: &StepJob, cancelled: &dyn Fn() -> bool) -> Result<AgentStepResponse, BackendError> {
-        self.solo(|j, c| j.step(c, job, cancelled))
+        let adapter = self.runner.packed.model.active_adapter().map(String::from);
+        self.solo(|j, c| j.step(c, job, adapter.as_deref(), cancelled))
     }
 
     /// One chat completion with the model's active adapter, streaming text pieces to `stream`.

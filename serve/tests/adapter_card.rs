@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use askgui_data::adapter_card::CardPause;
 use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, StepOptions};
 use askgui_data::{AdapterCard, PromptConfig, SystemPrompt};
 use askgui_serve::backend::{ImageInput, StepJob};
@@ -111,4 +112,40 @@ fn no_card_keeps_the_defaults() {
     assert_eq!(cfg.prompt, askgui_data::PromptFlags::default(), "no flag given: every setting unset");
     let r = step(&cfg).0.unwrap();
     assert!(area(&r) > 12_544, "the checkpoint's processor: {:?}", r.frame.model);
+}
+
+/// A calibrated pause level in an adapter's card is the default of the requests that adapter answers (0:
+/// every answer asks); a request's own `pause_threshold` wins.
+#[test]
+fn the_cards_pause_threshold_is_the_adapters_default_and_a_request_wins() {
+    use askgui_serve::backend::{Backend, Job, JobKind, JobOutput};
+    let dir = adapter("pause", 12_544, SystemPrompt::Full);
+    let mut card = AdapterCard::read(&dir).unwrap().unwrap();
+    card.pause = Some(CardPause {
+        threshold: 0.0,
+        target_fpr: 0.05,
+        episodes: "val.jsonl".into(),
+        strict_f1: None,
+        fpr: None,
+        bound_met: true,
+    });
+    card.write(&dir).unwrap();
+    let mut b = ModelBackend::load(&config(&[], &[("a", &dir)])).unwrap();
+    let mut run = |adapter: Option<&str>, pause: Option<f64>| {
+        let img = image::RgbImage::from_fn(200, 150, |x, y| image::Rgb([(x % 256) as u8, (y % 256) as u8, 90]));
+        let mut request = AgentStepRequest::new("Open the settings", "unused");
+        request.options = StepOptions { max_tokens: Some(16), pause_threshold: pause, ..Default::default() };
+        let job = StepJob { request, screenshot: Some(ImageInput { image: Arc::new(img), hash: 9 }) };
+        let (job, rx) = Job::new(JobKind::Step(job), adapter.map(String::from));
+        b.run(vec![job]);
+        match rx.blocking_recv().unwrap().unwrap() {
+            JobOutput::Step(r) => r,
+            other => panic!("not a step answer: {other:?}"),
+        }
+    };
+    let defaulted = run(Some("a"), None);
+    assert_eq!(defaulted.action.name(), "ask", "threshold 0 from the card: {}", defaulted.raw);
+    let own = run(Some("a"), Some(1.0));
+    assert!(own.ask_probability.unwrap() < 1.0);
+    assert_ne!(own.action.name(), "ask", "the request's threshold 1 wins: {}", own.raw);
 }

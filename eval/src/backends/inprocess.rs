@@ -3,7 +3,8 @@
 //! answers with: constrained by default, greedy unless `--temperature` says otherwise.
 //!
 //! The prompt flags left unset take the adapter's (or a merged model folder's) `askgui.json`, whose pixel
-//! bounds replace the processor's, as a given `--min-pixels`/`--max-pixels` does. Predictions are
+//! bounds replace the processor's, as a given `--min-pixels`/`--max-pixels` does; so does an unset
+//! `--pause-threshold`, from the card's calibrated pause level. Predictions are
 //! serialised through a mutex: one CPU model answering several steps at once would only split the same
 //! cores.
 
@@ -47,7 +48,7 @@ impl InProcessAgent {
         model: &str,
         adapter: Option<&Path>,
         prompt: &PromptFlags,
-        options: StepOptions,
+        mut options: StepOptions,
         load: LoadOptions,
     ) -> Result<Self, AgentError> {
         let (device, dtype) = load.resolve().map_err(|e| runtime_err(e.into()))?;
@@ -60,6 +61,13 @@ impl InProcessAgent {
             tracing::info!(?c, "prompt and image settings from {}", file.display());
         }
         let flags = prompt.with_card(card.as_ref());
+        if let Some(th) = card.as_ref().and_then(AdapterCard::pause_threshold) {
+            match options.pause_threshold {
+                Some(given) => tracing::info!("--pause-threshold {given} instead of the calibrated {th} (askgui.json)"),
+                None => tracing::info!("pause threshold {th}, calibrated (askgui.json)"),
+            }
+            options.pause_threshold = options.pause_threshold.or(Some(th));
+        }
         apply_image_bounds(&mut m, &flags).map_err(|e| AgentError::Model(e.to_string()))?;
         if let Some(dir) = adapter {
             // This agent only ever runs this adapter, so it is folded into the weights and each forward
@@ -177,6 +185,6 @@ impl Agent for InProcessAgent {
             Ok((action, _)) => (Some(action), None),
             Err(e) => (None, Some(e)),
         };
-        Ok(Prediction { action, raw: out.raw, parse_error })
+        Ok(Prediction { action, raw: out.raw, parse_error, ask_probability: Some(out.ask_probability) })
     }
 }

@@ -12,10 +12,29 @@ use crate::backend::{
 };
 use crate::batcher::Client;
 
-/// What the job threads share: the runtime and what the backend serves.
+/// What the job threads share: the runtime, what the backend serves, and the calibrated pause levels.
 pub(super) struct Jobs {
     pub(super) runtime: Runtime,
     pub(super) info: BackendInfo,
+    pub(super) pauses: PauseLevels,
+}
+
+/// The calibrated pause thresholds of the askgui.json cards: the model folder's for the base model,
+/// each adapter's for requests that name it. A request's own `options.pause_threshold` wins.
+#[derive(Debug, Clone, Default)]
+pub struct PauseLevels {
+    pub base: Option<f64>,
+    pub adapters: Vec<(String, f64)>,
+}
+
+impl PauseLevels {
+    /// The default threshold of requests answered with `adapter` (None: the base model).
+    pub fn of(&self, adapter: Option<&str>) -> Option<f64> {
+        match adapter {
+            None => self.base,
+            Some(name) => self.adapters.iter().find(|(n, _)| n == name).map(|(_, t)| *t),
+        }
+    }
 }
 
 /// The runtime's step for an agent-API request: its one screenshot (or none, with `observation.screen`
@@ -50,9 +69,12 @@ impl Jobs {
         &self,
         client: &Client,
         job: &StepJob,
+        adapter: Option<&str>,
         cancelled: &dyn Fn() -> bool,
     ) -> Result<AgentStepResponse, BackendError> {
-        let out = self.runtime.step(client, &runtime_step(job), &job.request.options, cancelled)?;
+        let mut options = job.request.options.clone();
+        options.pause_threshold = options.pause_threshold.or(self.pauses.of(adapter));
+        let out = self.runtime.step(client, &runtime_step(job), &options, cancelled)?;
         Ok(out.into_response()?)
     }
 
@@ -119,7 +141,7 @@ impl Jobs {
         let work = || {
             self.check_adapter(job.adapter.as_deref())?;
             match &job.kind {
-                JobKind::Step(s) => self.step(client, s, &cancelled).map(|mut r| {
+                JobKind::Step(s) => self.step(client, s, job.adapter.as_deref(), &cancelled).map(|mut r| {
                     r.timings.queue_ms = queue_ms;
                     JobOutput::Step(Box::new(r))
                 }),
