@@ -37,6 +37,9 @@ pub struct Prediction {
     pub raw: String,
     /// Why the reply did not parse.
     pub parse_error: Option<String>,
+    /// The model's probability of `ask` at this step (askgui's runtime reports it; other endpoints do
+    /// not). `askgui-eval calibrate` chooses the pause level on it.
+    pub ask_probability: Option<f64>,
 }
 
 impl Prediction {

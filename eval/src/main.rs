@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use askgui_data::load_episodes;
 use askgui_eval::backends::{self, BackendArgs};
+use askgui_eval::calibrate;
 use askgui_eval::matching::MatchConfig;
 use askgui_eval::modes::Mode;
 use askgui_eval::runner::{discard_results, run_eval, EvalConfig, RunOptions};
@@ -28,6 +29,9 @@ struct Cli {
 enum Command {
     /// Evaluate an agent over an episode file; writes results-<mode>.jsonl, report.json, report.md and plots.
     Run(Box<RunArgs>),
+    /// Choose the pause threshold on a validation split: the best strict ASK F1 within a per-step ask FPR
+    /// bound; writes it into the adapter's askgui.json, with the reliability of ask_probability.
+    Calibrate(Box<CalibrateArgs>),
     /// How far each choice the papers leave open moves the Table 1 numbers of finished runs (Markdown on
     /// stdout); no agent is called.
     Sensitivity {
@@ -90,6 +94,38 @@ struct RunArgs {
     backend: BackendArgs,
 }
 
+#[derive(Args)]
+struct CalibrateArgs {
+    /// The validation episode file (JSONL); not the test split.
+    #[arg(long)]
+    episodes: PathBuf,
+    /// Output folder: the recorded results (resumable), calibration.json/.md, reliability.svg, pr_curve.svg.
+    #[arg(long)]
+    out: PathBuf,
+    /// Discard the results, identity and reports already in --out first.
+    #[arg(long)]
+    restart: bool,
+    /// The largest per-step ask false-positive rate (+ASK: needless asks / steps that need none) allowed.
+    #[arg(long, default_value_t = 0.05)]
+    target_fpr: f64,
+    /// Where the threshold is written: this folder's askgui.json [default: --adapter's, else --model's].
+    #[arg(long)]
+    card: Option<PathBuf>,
+    /// Only report; write no askgui.json.
+    #[arg(long, conflicts_with = "card")]
+    no_write: bool,
+    /// Episodes evaluated at once.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    #[command(flatten)]
+    matching: MatchConfig,
+    #[command(flatten)]
+    backend: BackendArgs,
+}
+
 fn main() -> ExitCode {
     askgui_model::pin_cpu_threads();
     let cli = Cli::parse();
@@ -134,6 +170,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print!("{}", askgui_eval::report::markdown(&report));
             eprintln!("reports written to {}", cfg.out.display());
         }
+        Command::Calibrate(a) => calibrate(*a)?,
         Command::Sensitivity { results, episodes } => {
             print!("{}", askgui_eval::sensitivity::tables(&results, episodes.as_deref())?);
         }
@@ -150,6 +187,57 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+fn calibrate(mut a: CalibrateArgs) -> anyhow::Result<()> {
+    if !(0.0..=1.0).contains(&a.target_fpr) {
+        anyhow::bail!("--target-fpr must be in 0..=1, got {}", a.target_fpr);
+    }
+    if a.concurrency == 0 {
+        anyhow::bail!("--concurrency must be at least 1");
+    }
+    if a.backend.decoding.pause_threshold.is_some() || a.backend.decoding.temperature.is_some_and(|t| t != 0.0) {
+        anyhow::bail!(
+            "calibrate records greedy answers with pause threshold 1: leave --pause-threshold and --temperature unset"
+        );
+    }
+    let card = match (&a.card, a.no_write) {
+        (_, true) => None,
+        (Some(dir), false) => Some(dir.clone()),
+        (None, false) => match (&a.backend.adapter, &a.backend.model) {
+            (Some(dir), _) => Some(dir.clone()),
+            (None, Some(m)) if std::path::Path::new(m).is_dir() => Some(PathBuf::from(m)),
+            _ => anyhow::bail!("where should the threshold go? give --card DIR (an askgui.json folder) or --no-write"),
+        },
+    };
+    let episodes = load_episodes(&a.episodes)?;
+    a.backend.decoding.pause_threshold = Some(1.0);
+    let agent = backends::from_args(&a.backend)?;
+    let cfg = EvalConfig {
+        episodes: a.episodes,
+        out: a.out,
+        modes: vec![],
+        matching: a.matching,
+        run: RunOptions { concurrency: a.concurrency, progress: !a.no_progress },
+    };
+    if a.restart {
+        let removed = discard_results(&cfg.out)?;
+        eprintln!("--restart: discarded {} files in {}", removed.len(), cfg.out.display());
+    }
+    let c = calibrate::calibrate(agent.as_ref(), &episodes, &cfg, a.target_fpr)?;
+    calibrate::report::write(&cfg.out, &c)?;
+    print!("{}", calibrate::report::markdown(&c));
+    if !c.bound_met {
+        eprintln!("warning: no threshold kept the ask FPR within {}; chose the lowest FPR", c.target_fpr);
+    }
+    match card {
+        Some(dir) => {
+            eprintln!("pause threshold {:.4} written to {}", c.threshold, calibrate::write_to_card(&dir, &c)?.display())
+        }
+        None => eprintln!("pause threshold {:.4} (not written: --no-write)", c.threshold),
+    }
+    eprintln!("reports written to {}", cfg.out.display());
     Ok(())
 }
 

@@ -93,6 +93,12 @@ pub struct Call {
     pub action: Option<Action>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parse_error: Option<String>,
+    /// Turns in the history the call was given (with any ASK/SAY turns).
+    #[serde(default)]
+    pub history: usize,
+    /// The model's probability of `ask` (agents that report one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ask_probability: Option<f64>,
 }
 
 /// The final verdict on one step.
@@ -330,6 +336,8 @@ impl EpisodeEval<'_> {
             raw: p.raw.clone(),
             action: p.action.clone(),
             parse_error: p.parse_error.clone(),
+            history: input.history.len(),
+            ask_probability: p.ask_probability,
         });
         Ok(p)
     }

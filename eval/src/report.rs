@@ -247,15 +247,15 @@ pub fn markdown(report: &Report) -> String {
     s
 }
 
-const W: f64 = 640.0;
-const H: f64 = 400.0;
-const LEFT: f64 = 60.0;
-const RIGHT: f64 = 150.0;
-const TOP: f64 = 40.0;
-const BOTTOM: f64 = 50.0;
-const COLORS: [&str; 5] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"];
+pub(crate) const W: f64 = 640.0;
+pub(crate) const H: f64 = 400.0;
+pub(crate) const LEFT: f64 = 60.0;
+pub(crate) const RIGHT: f64 = 150.0;
+pub(crate) const TOP: f64 = 40.0;
+pub(crate) const BOTTOM: f64 = 50.0;
+pub(crate) const COLORS: [&str; 5] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"];
 
-fn svg_open(title: &str) -> String {
+pub(crate) fn svg_open(title: &str) -> String {
     format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" viewBox=\"0 0 {W} {H}\" \
          font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"{W}\" height=\"{H}\" fill=\"white\"/>\n\
@@ -265,12 +265,12 @@ fn svg_open(title: &str) -> String {
     )
 }
 
-fn escape(s: &str) -> String {
+pub(crate) fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
 /// Axes with a y range `0..=y_max` (ticks at fifths) and x labels given by the caller.
-fn axes(s: &mut String, y_max: f64, y_label: &str, x_label: &str, y_fmt: impl Fn(f64) -> String) {
+pub(crate) fn axes(s: &mut String, y_max: f64, y_label: &str, x_label: &str, y_fmt: impl Fn(f64) -> String) {
     let (x0, y0, x1, y1) = (LEFT, H - BOTTOM, W - RIGHT, TOP);
     let _ = writeln!(s, "<line x1=\"{x0}\" y1=\"{y0}\" x2=\"{x1}\" y2=\"{y0}\" stroke=\"black\"/>");
     let _ = writeln!(s, "<line x1=\"{x0}\" y1=\"{y0}\" x2=\"{x0}\" y2=\"{y1}\" stroke=\"black\"/>");

@@ -148,7 +148,7 @@ fn agent(base: &str, retries: u32, adapter: Option<&str>) -> EndpointAgent {
 
 fn expected() -> Prediction {
     let a = answer();
-    Prediction { action: Some(a.action), raw: a.raw, parse_error: None }
+    Prediction { action: Some(a.action), raw: a.raw, parse_error: None, ask_probability: a.ask_probability }
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -2,12 +2,13 @@
 //! are computed by hand in the comments. Also the runner: resume after an interruption, and concurrency 3
 //! equal to concurrency 1.
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use askgui_data::{Action, Ask, Episode, LoadedEpisode, Platform, Screen, Step, StepAsk, Target, Turn};
+use askgui_data::{Action, Ask, Episode, LoadedEpisode, Turn};
 use askgui_eval::agent::{Agent, AgentError, Prediction, StepInput};
 use askgui_eval::matching::MatchConfig;
 use askgui_eval::metrics::{
@@ -15,6 +16,7 @@ use askgui_eval::metrics::{
 };
 use askgui_eval::modes::{evaluate_episode, Counts, EpisodeResult, Mode, StrictOutcome};
 use askgui_eval::runner::{run_eval, run_mode, EvalConfig, RunOptions};
+use common::episode;
 
 /// What the fake agent answers.
 #[derive(Clone)]
@@ -68,39 +70,15 @@ impl Agent for Scripted {
             Some(Reply::Garbage) => None,
         };
         Ok(match action {
-            Some(a) => Prediction { raw: a.render(), action: Some(a), parse_error: None },
-            None => Prediction { action: None, raw: "I think I'd tap".into(), parse_error: Some("no JSON".into()) },
+            Some(a) => Prediction { raw: a.render(), action: Some(a), parse_error: None, ask_probability: None },
+            None => Prediction {
+                action: None,
+                raw: "I think I'd tap".into(),
+                parse_error: Some("no JSON".into()),
+                ask_probability: None,
+            },
         })
     }
-}
-
-/// Step i of every episode is a click at (100 + 200 i, 500) on a 1000x1000 screen (steps 0.2 apart: no
-/// two match under the 0.14 rule).
-fn episode(id: &str, n: usize, asks: &[(usize, &str)], ambiguous: bool) -> LoadedEpisode {
-    let steps = (0..n)
-        .map(|i| Step {
-            screenshot: format!("{id}-{i}.png"),
-            elements: None,
-            instruction: None,
-            informative: None,
-            action: Action::Click(Target::point(100 + 200 * i as i32, 500)),
-            ask: asks.iter().find(|(s, _)| *s == i).map(|(_, q)| StepAsk {
-                question: q.to_string(),
-                answer: format!("answer to {q}"),
-                options: vec![],
-                kind: None,
-            }),
-        })
-        .collect();
-    let episode = Episode {
-        id: id.into(),
-        platform: Platform::Android,
-        screen: Screen { width: 1000, height: 1000 },
-        task: format!("full task {id}"),
-        ambiguous_task: ambiguous.then(|| format!("vague task {id}")),
-        steps,
-    };
-    LoadedEpisode { episode, base: PathBuf::from("."), line: 0 }
 }
 
 fn fixture() -> (Vec<LoadedEpisode>, Scripted) {

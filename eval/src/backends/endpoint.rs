@@ -170,6 +170,11 @@ impl Agent for EndpointAgent {
                 input.screen.height
             );
         }
-        Ok(Prediction { action: Some(resp.action), raw: resp.raw, parse_error: None })
+        Ok(Prediction {
+            action: Some(resp.action),
+            raw: resp.raw,
+            parse_error: None,
+            ask_probability: resp.ask_probability,
+        })
     }
 }

@@ -76,7 +76,7 @@ mod tests {
         }
         fn predict(&self, input: &StepInput) -> Result<Prediction, AgentError> {
             self.0.fetch_add(1, Ordering::Relaxed);
-            Ok(Prediction { action: None, raw: input.task.clone(), parse_error: None })
+            Ok(Prediction { action: None, raw: input.task.clone(), parse_error: None, ask_probability: None })
         }
     }
 

@@ -230,9 +230,9 @@ pub(crate) fn prediction_from_reply(raw: String, frame: &FrameMap) -> Prediction
     match parse_answer(&raw) {
         Ok(parsed) => {
             let action: Action = frame.action_to_screen(&parsed.action);
-            Prediction { action: Some(action), raw, parse_error: None }
+            Prediction { action: Some(action), raw, parse_error: None, ask_probability: None }
         }
-        Err(e) => Prediction { action: None, raw, parse_error: Some(e.to_string()) },
+        Err(e) => Prediction { action: None, raw, parse_error: Some(e.to_string()), ask_probability: None },
     }
 }
 
