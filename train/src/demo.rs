@@ -4,8 +4,10 @@
 //! the model's 28-pixel grid); a byte-level BPE tokenizer learned on its prompts ([`crate::bpe`]); a base agent
 //! trained from scratch ([`crate::init::DEMO_CONFIG`], `--mode full`) on the full tasks; a LoRA adapter on the
 //! Navi-plus mix; askgui-eval on the test split (base and LoRA+ASK agents; original, incomplete, blank-screen,
-//! standard, Dual-Stream and strict runs, each behind a [`MemoAgent`]); `report.json` ([`DemoReport`], stable
-//! keys) and `report.md`, with every target checked and none claimed. The targets are stated on the metrics
+//! standard, Dual-Stream and strict runs, each behind a [`MemoAgent`]); the LoRA agent's pause threshold
+//! calibrated on the validation split (askgui-eval calibrate) and written into its askgui.json, and its runs
+//! again with it; `report.json` ([`DemoReport`], stable keys) and `report.md`, with every target checked
+//! (calibrated and not) and none claimed. The targets are stated on the metrics
 //! as the papers define them (askgui-eval's defaults, `eval/README.md`).
 //!
 //! The key choice: a model trained from scratch learns to pick an option by the task's words only with the
@@ -22,6 +24,7 @@ use askgui_data::{
     episode_samples, load_episodes, render_chatml, FrameKind, PromptConfig, PromptFlags, SystemPrompt, TaskMode,
 };
 use askgui_eval::backends::{InProcessAgent, MemoAgent};
+use askgui_eval::calibrate::Calibration;
 use askgui_eval::matching::MatchConfig;
 use askgui_eval::metrics::{ModeMetrics, NoContentScorer};
 use askgui_eval::modes::Mode as EvalMode;
@@ -114,6 +117,10 @@ pub struct DemoArgs {
     /// The longest answer of the evaluation, in tokens.
     #[arg(long, default_value_t = 160)]
     pub max_new_tokens: usize,
+    /// The per-step ask FPR bound the LoRA agent's pause threshold is calibrated under, on the
+    /// validation split (askgui-eval calibrate `--target-fpr`).
+    #[arg(long, default_value_t = 0.05)]
+    pub target_fpr: f64,
     /// Seeds the synthetic world and both trainings.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -175,6 +182,28 @@ pub struct Check {
     pub met: bool,
 }
 
+/// What the calibration on the validation split chose and measured (askgui-eval calibrate).
+#[derive(Debug, Clone, Serialize)]
+pub struct CalibrationSummary {
+    pub threshold: f64,
+    pub target_fpr: f64,
+    /// Some threshold kept the validation FPR within `target_fpr`.
+    pub bound_met: bool,
+    pub val_episodes: usize,
+    /// On validation at `threshold`: +ASK per-step FPR and strict ASK F1.
+    pub val_fpr: Option<f64>,
+    pub val_strict_f1: Option<f64>,
+    /// Reliability of `ask_probability` on validation, before and after temperature scaling.
+    pub ece: Option<f64>,
+    pub brier: Option<f64>,
+    pub temperature: f64,
+    pub ece_scaled: Option<f64>,
+    pub brier_scaled: Option<f64>,
+    /// Where calibration.md, reliability.svg and pr_curve.svg are.
+    pub dir: PathBuf,
+    pub seconds: f64,
+}
+
 /// `report.json`. Keys are stable: scripts read them.
 #[derive(Debug, Clone, Serialize)]
 pub struct DemoReport {
@@ -192,9 +221,20 @@ pub struct DemoReport {
     pub lora_dual: Scores,
     /// LoRA+ASK agent, Morae strict task-level pausing.
     pub lora_strict: Scores,
+    /// The LoRA+ASK agent with the calibrated pause threshold (as askgui-serve answers with its adapter):
+    /// original, standard, Dual-Stream and strict.
+    pub calibrated_original: Scores,
+    pub calibrated_standard: Scores,
+    pub calibrated_dual: Scores,
+    pub calibrated_strict: Scores,
+    pub calibration: CalibrationSummary,
+    /// The targets with the calibrated threshold (the adapter as served).
     pub checks: Vec<Check>,
-    /// Every threshold met.
+    /// Every threshold met, calibrated.
     pub all_met: bool,
+    /// The targets with the model's own ask decision (no threshold).
+    pub checks_uncalibrated: Vec<Check>,
+    pub all_met_uncalibrated: bool,
     /// Seconds per stage, and in all.
     pub timings_s: Vec<(String, f64)>,
     pub total_s: f64,
@@ -207,8 +247,9 @@ pub struct DemoReport {
     pub args: DemoArgs,
 }
 
-/// The demo's targets over a report's scores.
-pub fn checks(r: &DemoReport) -> Vec<Check> {
+/// The demo's targets over a report's scores, with the LoRA agent's calibrated runs (`calibrated`) or
+/// its uncalibrated ones.
+pub fn checks(r: &DemoReport, calibrated: bool) -> Vec<Check> {
     let mul = |a: Option<f64>, k: f64| a.map(|a| a * k);
     let check = |name: &str, value: Option<f64>, op: &'static str, bound: Option<f64>| {
         let met = match (value, bound) {
@@ -224,14 +265,16 @@ pub fn checks(r: &DemoReport) -> Vec<Check> {
         Check { name: name.into(), value, bound, op, met }
     };
     let (bo, bi) = (&r.base_original, &r.base_incomplete);
+    let (dual, strict) =
+        if calibrated { (&r.calibrated_dual, &r.calibrated_strict) } else { (&r.lora_dual, &r.lora_strict) };
     vec![
         check("base_original_ssr", bo.ssr, ">=", Some(0.80)),
         check("base_incomplete_sr_vs_original", bi.sr, "<=", mul(bo.sr, 0.7)),
-        check("lora_dual_ssr_vs_base_original", r.lora_dual.ssr, ">=", mul(bo.ssr, 0.95)),
-        check("lora_dual_sr_vs_base_original", r.lora_dual.sr, ">=", mul(bo.sr, 0.9)),
-        check("lora_strict_ask_f1", r.lora_strict.ask_f1, ">=", Some(0.8)),
+        check("lora_dual_ssr_vs_base_original", dual.ssr, ">=", mul(bo.ssr, 0.95)),
+        check("lora_dual_sr_vs_base_original", dual.sr, ">=", mul(bo.sr, 0.9)),
+        check("lora_strict_ask_f1", strict.ask_f1, ">=", Some(0.8)),
         // Navi-plus Table 1's regime: per-step ask FPR 0.055 (+ASK) and 0.004 (Dual-Stream).
-        check("lora_dual_ask_fpr", r.lora_dual.ask_fpr, "<=", Some(0.05)),
+        check("lora_dual_ask_fpr", dual.ask_fpr, "<=", Some(0.05)),
         check("blank_screen_ssr_vs_base_original", r.base_blank_screen.ssr, "<=", mul(bo.ssr, 0.5)),
     ]
 }
@@ -320,16 +363,9 @@ fn demo_config(a: &DemoArgs, vocab: usize) -> Result<String> {
     serde_json::to_string_pretty(&cfg).map_err(|e| TrainError::Data(e.to_string()))
 }
 
-/// Runs `modes` of askgui-eval over `episodes` with `model` (and the adapter in `adapter`), results in
-/// `out`; returns the metrics of each mode in order.
-fn evaluate(
-    model: &Path,
-    adapter: Option<&Path>,
-    episodes: &Path,
-    out: &Path,
-    modes: &[EvalMode],
-    a: &DemoArgs,
-) -> Result<Vec<Scores>> {
+/// The demo's in-process agent: `model` (with the adapter in `adapter` folded in) on the CPU, the prompt
+/// it was trained with, the server's decoding with `pause_threshold`.
+fn agent(model: &Path, adapter: Option<&Path>, pause_threshold: Option<f64>, a: &DemoArgs) -> Result<InProcessAgent> {
     // The settings the agents were trained with; min_pixels stays the model's processor's.
     let p = prompt_config(a);
     let prompt = PromptFlags {
@@ -341,25 +377,78 @@ fn evaluate(
     // The CPU, as the demo's training (a model this small gains nothing from a GPU's bf16).
     let on_cpu = LoadOptions { device: DeviceKind::Cpu, ..Default::default() };
     // The server's decoding (constrained, greedy), as `askgui-serve` would answer.
-    let options = StepOptions { max_tokens: Some(a.max_new_tokens), ..StepOptions::default() };
-    let agent = InProcessAgent::load(&model.to_string_lossy(), adapter, &prompt, options, on_cpu)
-        .map_err(|e| TrainError::Data(format!("eval agent: {e}")))?;
-    let agent = MemoAgent::new(agent);
-    let cfg = EvalConfig {
+    let options = StepOptions { max_tokens: Some(a.max_new_tokens), pause_threshold, ..StepOptions::default() };
+    InProcessAgent::load(&model.to_string_lossy(), adapter, &prompt, options, on_cpu)
+        .map_err(|e| TrainError::Data(format!("eval agent: {e}")))
+}
+
+/// The evaluation settings of `episodes` into `out` (cleared of an earlier run's results: the demo trains
+/// its agents anew, so they are another agent's and askgui-eval would refuse them).
+fn eval_config(episodes: &Path, out: &Path, modes: &[EvalMode], a: &DemoArgs) -> Result<EvalConfig> {
+    discard_results(out).map_err(|e| TrainError::Data(e.to_string()))?;
+    Ok(EvalConfig {
         episodes: episodes.to_path_buf(),
         out: out.to_path_buf(),
         modes: modes.to_vec(),
         matching: MatchConfig::default(),
         run: RunOptions { concurrency: 1, progress: !a.no_progress },
-    };
+    })
+}
+
+/// Runs `modes` of askgui-eval over `episodes` with `model` (and the adapter in `adapter`) answering with
+/// `pause_threshold`, results in `out`; returns the metrics of each mode in order.
+fn evaluate(
+    model: &Path,
+    adapter: Option<&Path>,
+    pause_threshold: Option<f64>,
+    episodes: &Path,
+    out: &Path,
+    modes: &[EvalMode],
+    a: &DemoArgs,
+) -> Result<Vec<Scores>> {
+    let agent = MemoAgent::new(agent(model, adapter, pause_threshold, a)?);
+    let cfg = eval_config(episodes, out, modes, a)?;
     let eps = load(&cfg).map_err(|e| TrainError::Data(e.to_string()))?;
-    // The demo trains its agents anew on every run: results in `out` from an earlier run are another
-    // agent's, so they are discarded rather than resumed (askgui-eval would refuse them).
-    discard_results(out).map_err(|e| TrainError::Data(e.to_string()))?;
     let scorer = NoContentScorer("the demo does not score ASK content".into());
     let report = run_eval(&agent, &eps, &cfg, &scorer).map_err(|e| TrainError::Data(e.to_string()))?;
     tracing::info!(model_calls = agent.calls(), repeated = agent.hits(), "evaluated {}", episodes.display());
     Ok(modes.iter().map(|m| report.mode(*m).map(Scores::from).expect("every mode ran")).collect())
+}
+
+/// Calibrates the LoRA agent's pause threshold on `val` into `out` (askgui-eval calibrate: the best strict
+/// ASK F1 within `a.target_fpr`); the caller writes it into the adapter's askgui.json.
+fn calibrate(
+    model: &Path,
+    adapter: &Path,
+    val: &Path,
+    out: &Path,
+    a: &DemoArgs,
+) -> Result<(CalibrationSummary, Calibration)> {
+    let t = Instant::now();
+    let err = |e: String| TrainError::Data(format!("calibration: {e}"));
+    let recorder = agent(model, Some(adapter), Some(1.0), a)?;
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let cfg = eval_config(val, out, &[], a)?;
+    let eps = load(&cfg).map_err(|e| err(e.to_string()))?;
+    let c = askgui_eval::calibrate::calibrate(&recorder, &eps, &cfg, a.target_fpr).map_err(|e| err(e.to_string()))?;
+    askgui_eval::calibrate::report::write(out, &c).map_err(|e| err(e.to_string()))?;
+    tracing::info!(threshold = c.threshold, bound_met = c.bound_met, "calibrated the pause threshold on validation");
+    let summary = CalibrationSummary {
+        threshold: c.threshold,
+        target_fpr: c.target_fpr,
+        bound_met: c.bound_met,
+        val_episodes: c.episodes,
+        val_fpr: c.chosen.fpr,
+        val_strict_f1: c.chosen.strict_f1,
+        ece: c.reliability.ece,
+        brier: c.reliability.brier,
+        temperature: c.temperature,
+        ece_scaled: c.reliability_scaled.ece,
+        brier_scaled: c.reliability_scaled.brier,
+        dir: out.to_path_buf(),
+        seconds: t.elapsed().as_secs_f64(),
+    };
+    Ok((summary, c))
 }
 
 /// Runs the demo; writes `report.json` and `report.md` into `a.out` and returns the report.
@@ -466,20 +555,30 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     let test = head(&data.join("test.jsonl"), a.eval_episodes, &data, "test-eval.jsonl")?;
     let test_episodes = std::fs::read_to_string(&test).map_err(io(&test))?.lines().count();
     let blank = blank_episodes(&test, &data)?;
-    // The base agent's three evaluations and the LoRA agent's one run side by side, each with its own
-    // model: a model this small keeps only one core busy while it decodes.
-    let (base_scores, l) = std::thread::scope(|s| {
-        let base = s.spawn(|| -> Result<_> {
+    // Two threads, each agent with its own model (a model this small keeps only one core busy while it
+    // decodes): the base agent's evaluations then the LoRA agent's with its own ask decision; beside them
+    // the pause threshold calibrated on the validation split, then the LoRA agent with it on the test split.
+    let lora_modes = [EvalMode::Original, EvalMode::Standard, EvalMode::Dual, EvalMode::Strict];
+    let (own, calibrated) = std::thread::scope(|s| {
+        let own = s.spawn(|| -> Result<_> {
             let modes = [EvalMode::Original, EvalMode::Incomplete];
-            let b = evaluate(&base_model, None, &test, &ev.join("base"), &modes, a)?;
-            let bb = evaluate(&base_model, None, &blank, &ev.join("base-blank"), &[EvalMode::Original], a)?;
-            Ok((b, bb))
+            let b = evaluate(&base_model, None, None, &test, &ev.join("base"), &modes, a)?;
+            let bb = evaluate(&base_model, None, None, &blank, &ev.join("base-blank"), &[EvalMode::Original], a)?;
+            let l = evaluate(&base_model, Some(&adapter), None, &test, &ev.join("lora"), &lora_modes, a)?;
+            Ok((b, bb, l))
         });
-        let modes = [EvalMode::Original, EvalMode::Standard, EvalMode::Dual, EvalMode::Strict];
-        let l = evaluate(&base_model, Some(&adapter), &test, &ev.join("lora"), &modes, a);
-        (base.join().expect("the base evaluation does not panic"), l)
+        let calibrated = || -> Result<_> {
+            let (cal, chosen) = calibrate(&base_model, &adapter, &data.join("val.jsonl"), &ev.join("calibration"), a)?;
+            let th = Some(cal.threshold);
+            let c = evaluate(&base_model, Some(&adapter), th, &test, &ev.join("lora-calibrated"), &lora_modes, a)?;
+            Ok((cal, chosen, c))
+        };
+        let c = calibrated();
+        (own.join().expect("the evaluation does not panic"), c)
     });
-    let ((b, bb), l) = (base_scores?, l?);
+    let ((b, bb, l), (calibration, chosen, c)) = (own?, calibrated?);
+    // Into the card only now: the uncalibrated agent above reads the card for its default.
+    askgui_eval::calibrate::write_to_card(&adapter, &chosen).map_err(|e| TrainError::Data(e.to_string()))?;
     stage("eval", t);
 
     let mut report = DemoReport {
@@ -490,8 +589,15 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
         lora_standard: l[1].clone(),
         lora_dual: l[2].clone(),
         lora_strict: l[3].clone(),
+        calibrated_original: c[0].clone(),
+        calibrated_standard: c[1].clone(),
+        calibrated_dual: c[2].clone(),
+        calibrated_strict: c[3].clone(),
+        calibration,
         checks: vec![],
         all_met: false,
+        checks_uncalibrated: vec![],
+        all_met_uncalibrated: false,
         timings_s: timings,
         total_s: started.elapsed().as_secs_f64(),
         train_final_loss,
@@ -501,8 +607,10 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
         adapter: adapter.clone(),
         args: a.clone(),
     };
-    report.checks = checks(&report);
+    report.checks = checks(&report, true);
     report.all_met = report.checks.iter().all(|c| c.met);
+    report.checks_uncalibrated = checks(&report, false);
+    report.all_met_uncalibrated = report.checks_uncalibrated.iter().all(|c| c.met);
     let json = a.out.join("report.json");
     std::fs::write(&json, serde_json::to_string_pretty(&report).expect("report serialises")).map_err(io(&json))?;
     let md = a.out.join("report.md");
@@ -544,6 +652,10 @@ pub fn markdown(r: &DemoReport) -> String {
         ("LoRA +ASK, Dual-Stream eval", &r.lora_dual),
         ("LoRA +ASK, strict (Morae)", &r.lora_strict),
         ("LoRA +ASK, original task", &r.lora_original),
+        ("LoRA +ASK calibrated (standard)", &r.calibrated_standard),
+        ("LoRA +ASK calibrated, Dual-Stream eval", &r.calibrated_dual),
+        ("LoRA +ASK calibrated, strict (Morae)", &r.calibrated_strict),
+        ("LoRA +ASK calibrated, original task", &r.calibrated_original),
         ("base, original task, blank screens", &r.base_blank_screen),
     ] {
         let _ = writeln!(
@@ -565,15 +677,56 @@ pub fn markdown(r: &DemoReport) -> String {
         "\nSSR and SSR before/after: per-episode means (Navi-plus Appendix F), in %; strict: Morae's task \
          success, precision, recall and F1 per task (eval/README.md)."
     );
-    let _ = writeln!(s, "\n| Check | value | target | met |\n|---|---|---|---|");
-    for c in &r.checks {
-        let _ = writeln!(s, "| {} | {} | {} {} | {} |", c.name, frac(c.value), c.op, frac(c.bound), c.met);
+    let c = &r.calibration;
+    let _ = writeln!(
+        s,
+        "\nCalibrated pause threshold: {:.4}, chosen on {} validation episodes for the best strict ASK F1 \
+         ({}) within a per-step ask FPR of {} ({}; bound met: {}). ask_probability on validation: ECE {}, \
+         Brier {}; after temperature scaling (T = {:.3}) ECE {}, Brier {}. Plots: {}.",
+        c.threshold,
+        c.val_episodes,
+        frac(c.val_strict_f1),
+        c.target_fpr,
+        frac(c.val_fpr),
+        c.bound_met,
+        frac(c.ece),
+        frac(c.brier),
+        c.temperature,
+        frac(c.ece_scaled),
+        frac(c.brier_scaled),
+        c.dir.display()
+    );
+    let _ = writeln!(
+        s,
+        "\n| Check | value calibrated | met | value uncalibrated | met | target |\n|---|---|---|---|---|---|"
+    );
+    for (c, u) in r.checks.iter().zip(&r.checks_uncalibrated) {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} {} |",
+            c.name,
+            frac(c.value),
+            c.met,
+            frac(u.value),
+            u.met,
+            c.op,
+            frac(c.bound)
+        );
     }
-    let _ = writeln!(s, "\nAll targets met: {}.\n\n| Stage | seconds |\n|---|---|", r.all_met);
+    let _ = writeln!(
+        s,
+        "\nAll targets met: {} calibrated, {} uncalibrated.\n\n| Stage | seconds |\n|---|---|",
+        r.all_met, r.all_met_uncalibrated
+    );
     for (n, t) in &r.timings_s {
         let _ = writeln!(s, "| {n} | {t:.1} |");
     }
     let _ = writeln!(s, "| total | {:.1} |", r.total_s);
-    let _ = writeln!(s, "\nServe the LoRA+ASK agent (requests pick the adapter `ask`):\n\n    {}", serve_command(r));
+    let _ = writeln!(
+        s,
+        "\nServe the LoRA+ASK agent (requests pick the adapter `ask`; its askgui.json holds the calibrated \
+         pause threshold):\n\n    {}",
+        serve_command(r)
+    );
     s
 }

@@ -35,6 +35,7 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         batch_size: 2,
         eval_episodes: 2,
         max_new_tokens: 6,
+        target_fpr: 0.05,
         seed: 1,
         no_progress: true,
     };
@@ -48,6 +49,10 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         "lora_standard",
         "lora_dual",
         "lora_strict",
+        "calibrated_original",
+        "calibrated_standard",
+        "calibrated_dual",
+        "calibrated_strict",
     ] {
         for field in [
             "ssr",
@@ -69,6 +74,18 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
     }
     let names: Vec<&str> = json["checks"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
     assert_eq!(names.len(), 7, "{names:?}");
+    assert_eq!(json["checks_uncalibrated"].as_array().map(Vec::len), Some(7));
+    let threshold = json["calibration"]["threshold"].as_f64().expect("calibration.threshold");
+    assert!((0.0..=1.0).contains(&threshold), "{threshold}");
+    for k in ["target_fpr", "bound_met", "val_episodes", "val_fpr", "ece", "brier", "temperature", "dir"] {
+        assert!(json["calibration"].get(k).is_some(), "report.json lacks calibration.{k}");
+    }
+    // The threshold is the adapter's served default, and the calibration's plots are written.
+    let card = askgui_data::AdapterCard::read(&report.adapter)?.expect("the adapter's askgui.json");
+    assert_eq!(card.pause_threshold(), Some(threshold));
+    for f in ["calibration.md", "reliability.svg", "pr_curve.svg"] {
+        assert!(out.join("eval/calibration").join(f).is_file(), "{f}");
+    }
     for k in [
         "all_met",
         "timings_s",
