@@ -318,10 +318,13 @@ pub struct TrainArgs {
 }
 
 /// What one invocation adds to the config: where it continues from and where it stops.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct RunControl {
     pub resume: Option<PathBuf>,
     pub stop_after: Option<usize>,
+    /// Polled between optimiser steps: true stops the run there with a checkpoint
+    /// ([`crate::interrupt`] sets it on Ctrl-C and SIGTERM).
+    pub interrupted: Option<fn() -> bool>,
 }
 
 impl Default for TrainConfig {
@@ -421,7 +424,7 @@ pub fn from_matches(cli: &TrainArgs, matches: &ArgMatches) -> Result<(TrainConfi
         layers.push((path.display().to_string(), file_layer(path)?));
     }
     layers.push(("command line".into(), cli_layer(&cli.cfg, matches)));
-    Ok((resolve(&layers)?, RunControl { resume: cli.resume.clone(), stop_after: cli.stop_after }))
+    Ok((resolve(&layers)?, RunControl { resume: cli.resume.clone(), stop_after: cli.stop_after, interrupted: None }))
 }
 
 impl TrainConfig {

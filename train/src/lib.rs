@@ -24,6 +24,8 @@ pub mod data;
 pub mod demo;
 pub mod error;
 pub mod init;
+pub mod interrupt;
+pub mod lock;
 pub mod merge;
 pub mod optim;
 pub mod plot;

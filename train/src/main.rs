@@ -58,8 +58,18 @@ fn main() -> Result<()> {
 
 /// The training run of a command line without a subcommand.
 fn train(cli: &Cli, matches: &clap::ArgMatches) -> Result<()> {
-    let (cfg, control) = askgui_train::config::from_matches(&cli.train, matches)?;
+    let (cfg, mut control) = askgui_train::config::from_matches(&cli.train, matches)?;
+    askgui_train::interrupt::install();
+    control.interrupted = Some(askgui_train::interrupt::requested);
     let summary = askgui_train::train(&cfg, &control)?;
+    if summary.interrupted {
+        let step = summary.steps.last().map_or(0, |s| s.step);
+        let ckpt = summary.last_checkpoint.as_ref().map_or("none".into(), |p| p.display().to_string());
+        anyhow::bail!(
+            "interrupted after step {step}; checkpoint {ckpt}; continue with: askgui-train --resume {}",
+            cfg.run.output_dir.display()
+        );
+    }
     let last = summary.steps.last();
     tracing::info!(
         steps = summary.steps.len(),

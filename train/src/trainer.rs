@@ -67,8 +67,10 @@ pub struct TrainSummary {
     pub val_data: Option<DataStats>,
     pub total_steps: usize,
     pub last_checkpoint: Option<PathBuf>,
-    /// True when [`RunControl::stop_after`] ended the run before `total_steps`.
+    /// True when [`RunControl::stop_after`] or an interrupt ended the run before `total_steps`.
     pub stopped_early: bool,
+    /// True when [`RunControl::interrupted`] ended it.
+    pub interrupted: bool,
 }
 
 /// The seed of micro-batch `micro` of step `step`'s dropout masks.
@@ -598,6 +600,7 @@ fn save_snapshot(
 /// Runs (or, with `control.resume`, continues) the training that `cfg` describes.
 pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     cfg.validate()?;
+    let _lock = crate::lock::Lock::acquire(&cfg.run.output_dir)?;
     tracing::info!("resolved config:\n{}", cfg.to_toml());
     let (device, dtype) = pick_device(&cfg.model)?;
     let mut model = load_model(cfg, &device, dtype)?;
@@ -620,6 +623,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
         total_steps,
         last_checkpoint: ckpt.clone(),
         stopped_early: false,
+        interrupted: false,
     };
     let mut state = TrainerState { total_steps, seed: cfg.run.seed, ..state };
     let started = Instant::now();
@@ -628,6 +632,11 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
     while state.step < total_steps {
         if control.stop_after.is_some_and(|n| state.step >= n) {
             summary.stopped_early = true;
+            break;
+        }
+        if control.interrupted.is_some_and(|f| f()) {
+            tracing::warn!(step = state.step, "interrupted: stopping after this step with a checkpoint");
+            (summary.stopped_early, summary.interrupted) = (true, true);
             break;
         }
         let log = train_step(&model, &mut opt, &mut state, &run, summary.last_checkpoint.as_deref(), started)?;

@@ -66,9 +66,9 @@ fn screenagent_sample_trains_resumes_and_loads() {
     assert!(mean(&losses[9..]) < 0.75 * mean(&losses[..3]), "{losses:?}");
 
     let part = dir.join("part");
-    let stop = RunControl { resume: None, stop_after: Some(6) };
+    let stop = RunControl { stop_after: Some(6), ..RunControl::default() };
     askgui_train::train(&config(&data, &part, flags), &stop).unwrap();
-    let resume = RunControl { resume: Some(part.clone()), stop_after: None };
+    let resume = RunControl { resume: Some(part.clone()), ..RunControl::default() };
     let rest = askgui_train::train(&config(&data, &part, flags), &resume).unwrap();
     let resumed: Vec<f64> = rest.steps.iter().map(|s| s.loss).collect();
     assert_eq!(resumed, losses[6..], "the resumed steps repeat the uninterrupted run's");

@@ -5,7 +5,9 @@
 //!
 //! Images are kept tiny (`--max-pixels 12544`: a few patches each) so that each test runs in seconds.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use askgui_data::synth::{synth, SynthArgs};
 use askgui_data::PromptConfig;
@@ -13,51 +15,11 @@ use askgui_model::{ImageProcessorConfig, QwenTokenizer};
 use askgui_train::cli::from_args;
 use askgui_train::data::{self, DataOptions};
 use askgui_train::snapshot;
-use askgui_train::{RunControl, TrainConfig, TrainError};
+use askgui_train::{RunControl, TrainError};
+use common::{config, episodes, fixture, scratch};
 
 fn none() -> RunControl {
     RunControl::default()
-}
-
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl")
-}
-
-/// A fresh folder under the target's tmp dir.
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("askgui-train-{name}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// `episodes` synthetic episodes (train split only) in `dir`; returns the JSONL path.
-fn episodes(dir: &Path, episodes: usize) -> PathBuf {
-    synth(&SynthArgs {
-        out: dir.into(),
-        episodes,
-        seed: 11,
-        width: 224,
-        height: 400,
-        split: "1:0:0".into(),
-        ambiguous_fraction: 0.5,
-        slot_colors: false,
-        grid: 0,
-        icons: false,
-    })
-    .expect("synth");
-    dir.join("train.jsonl")
-}
-
-/// The config the binary would resolve from these flags (plus the fixture and tiny images).
-fn config(data: &Path, out: &Path, flags: &str) -> TrainConfig {
-    let (m, d, o) = (fixture(), data.to_path_buf(), out.to_path_buf());
-    let mut argv: Vec<String> = ["askgui-train", "--model"].map(String::from).to_vec();
-    argv.push(m.display().to_string());
-    argv.extend(["--data".into(), d.display().to_string(), "--output-dir".into(), o.display().to_string()]);
-    argv.extend(["--max-pixels", "12544", "--progress", "false"].map(String::from));
-    argv.extend(flags.split_whitespace().map(String::from));
-    from_args(argv).unwrap().0
 }
 
 /// The fixture's tokenizer and image processor with the tests' small max_pixels.
@@ -125,7 +87,7 @@ fn a_stopped_and_resumed_run_repeats_the_uninterrupted_run() {
     assert_eq!(full.steps.last().unwrap().epoch, 1, "the run crosses an epoch");
 
     let part_dir = dir.join("part");
-    let stop = RunControl { resume: None, stop_after: Some(2) };
+    let stop = RunControl { stop_after: Some(2), ..RunControl::default() };
     let first = askgui_train::train(&config(&data, &part_dir, flags), &stop).unwrap();
     // A fresh run into a folder with checkpoints is refused: it would overwrite them.
     let e = askgui_train::train(&config(&data, &part_dir, flags), &stop).unwrap_err().to_string();
