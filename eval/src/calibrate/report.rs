@@ -163,14 +163,20 @@ pub fn reliability_svg(c: &Calibration) -> String {
     s
 }
 
-/// +ASK ask precision against recall, one dot per threshold tried; the chosen threshold ringed.
+/// +ASK ask precision against recall, a dot per threshold tried (one per pixel); the chosen threshold
+/// ringed.
 pub fn pr_svg(c: &Calibration) -> String {
     let mut s = svg_open("Asking: precision against recall over pause thresholds (+ASK, per step)");
     axes(&mut s, 1.0, "precision", "recall", |v| format!("{v:.1}"));
     x_ticks(&mut s);
+    let mut drawn = std::collections::HashSet::new();
     for p in &c.sweep {
         if let (Some(r), Some(pr)) = (p.recall, p.precision) {
             let (x, y) = xy(r, pr);
+            // Thresholds that land on the same pixel are drawn once (thousands share a few pixels).
+            if !drawn.insert((x as i64, y as i64)) {
+                continue;
+            }
             let _ = writeln!(
                 s,
                 "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"2.5\" fill=\"{}\"><title>threshold {:.4}: precision {pr:.3}, \
