@@ -5,7 +5,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use askgui_data::load_episodes;
+use askgui_data::{load_episodes, LoadedEpisode};
 use askgui_eval::backends::{self, BackendArgs};
 use askgui_eval::calibrate;
 use askgui_eval::matching::MatchConfig;
@@ -62,8 +62,9 @@ struct TextArgs {
     wordnet: Option<PathBuf>,
 }
 
+/// What `run` and `calibrate` share: the episodes, the results folder and how episodes are walked.
 #[derive(Args)]
-struct RunArgs {
+struct Pass {
     /// The episode file (JSONL).
     #[arg(long)]
     episodes: PathBuf,
@@ -74,18 +75,47 @@ struct RunArgs {
     /// Discard the results, identity and reports already in --out, then run from the start.
     #[arg(long)]
     restart: bool,
-    /// Modes to run, comma-separated: original, incomplete, standard (alias ask), dual, strict.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "standard,dual,strict", conflicts_with = "table")]
-    modes: Vec<Mode>,
-    /// Run the four rows of Navi-plus Table 1: original, incomplete, standard (+ASK), dual.
-    #[arg(long)]
-    table: bool,
     /// Episodes evaluated at once.
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
+}
+
+impl Pass {
+    /// The episodes (loaded first: a bad line should not wait for a model to load) and the run's settings
+    /// for `modes`; with `--restart`, the folder's earlier results are discarded.
+    fn start(self, modes: Vec<Mode>, matching: MatchConfig) -> anyhow::Result<(Vec<LoadedEpisode>, EvalConfig)> {
+        if self.concurrency == 0 {
+            anyhow::bail!("--concurrency must be at least 1");
+        }
+        let episodes = load_episodes(&self.episodes)?;
+        let cfg = EvalConfig {
+            episodes: self.episodes,
+            out: self.out,
+            modes,
+            matching,
+            run: RunOptions { concurrency: self.concurrency, progress: !self.no_progress },
+        };
+        if self.restart {
+            let removed = discard_results(&cfg.out)?;
+            eprintln!("--restart: discarded {} files in {}", removed.len(), cfg.out.display());
+        }
+        Ok((episodes, cfg))
+    }
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    pass: Pass,
+    /// Modes to run, comma-separated: original, incomplete, standard (alias ask), dual, strict.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "standard,dual,strict", conflicts_with = "table")]
+    modes: Vec<Mode>,
+    /// Run the four rows of Navi-plus Table 1: original, incomplete, standard (+ASK), dual.
+    #[arg(long)]
+    table: bool,
     #[command(flatten)]
     text: TextArgs,
     #[command(flatten)]
@@ -94,17 +124,12 @@ struct RunArgs {
     backend: BackendArgs,
 }
 
+// `--episodes` is the validation split (never the test split); `--out` gets the recorded results,
+// calibration.json/.md, reliability.svg and pr_curve.svg.
 #[derive(Args)]
 struct CalibrateArgs {
-    /// The validation episode file (JSONL); not the test split.
-    #[arg(long)]
-    episodes: PathBuf,
-    /// Output folder: the recorded results (resumable), calibration.json/.md, reliability.svg, pr_curve.svg.
-    #[arg(long)]
-    out: PathBuf,
-    /// Discard the results, identity and reports already in --out first.
-    #[arg(long)]
-    restart: bool,
+    #[command(flatten)]
+    pass: Pass,
     /// The largest per-step ask false-positive rate (+ASK: needless asks / steps that need none) allowed.
     #[arg(long, default_value_t = 0.05)]
     target_fpr: f64,
@@ -114,12 +139,6 @@ struct CalibrateArgs {
     /// Only report; write no askgui.json.
     #[arg(long, conflicts_with = "card")]
     no_write: bool,
-    /// Episodes evaluated at once.
-    #[arg(long, default_value_t = 1)]
-    concurrency: usize,
-    /// No progress bar.
-    #[arg(long)]
-    no_progress: bool,
     #[command(flatten)]
     matching: MatchConfig,
     #[command(flatten)]
@@ -148,24 +167,10 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(a) => {
-            if a.concurrency == 0 {
-                anyhow::bail!("--concurrency must be at least 1");
-            }
-            // The episode file first: a bad line should not wait for a model to load.
-            let episodes = load_episodes(&a.episodes)?;
+            let modes = if a.table { Mode::TABLE.to_vec() } else { dedup(a.modes) };
+            let (episodes, cfg) = a.pass.start(modes, a.matching)?;
             let agent = backends::from_args(&a.backend)?;
             let text = TextMetrics::load(a.text.embedder.as_deref(), a.text.wordnet.as_deref());
-            let cfg = EvalConfig {
-                episodes: a.episodes,
-                out: a.out,
-                modes: if a.table { Mode::TABLE.to_vec() } else { dedup(a.modes) },
-                matching: a.matching,
-                run: RunOptions { concurrency: a.concurrency, progress: !a.no_progress },
-            };
-            if a.restart {
-                let removed = discard_results(&cfg.out)?;
-                eprintln!("--restart: discarded {} files in {}", removed.len(), cfg.out.display());
-            }
             let report = run_eval(agent.as_ref(), &episodes, &cfg, &text)?;
             print!("{}", askgui_eval::report::markdown(&report));
             eprintln!("reports written to {}", cfg.out.display());
@@ -194,9 +199,6 @@ fn calibrate(mut a: CalibrateArgs) -> anyhow::Result<()> {
     if !(0.0..=1.0).contains(&a.target_fpr) {
         anyhow::bail!("--target-fpr must be in 0..=1, got {}", a.target_fpr);
     }
-    if a.concurrency == 0 {
-        anyhow::bail!("--concurrency must be at least 1");
-    }
     if a.backend.decoding.pause_threshold.is_some() || a.backend.decoding.temperature.is_some_and(|t| t != 0.0) {
         anyhow::bail!(
             "calibrate records greedy answers with pause threshold 1: leave --pause-threshold and --temperature unset"
@@ -211,20 +213,9 @@ fn calibrate(mut a: CalibrateArgs) -> anyhow::Result<()> {
             _ => anyhow::bail!("where should the threshold go? give --card DIR (an askgui.json folder) or --no-write"),
         },
     };
-    let episodes = load_episodes(&a.episodes)?;
+    let (episodes, cfg) = a.pass.start(vec![], a.matching)?;
     a.backend.decoding.pause_threshold = Some(1.0);
     let agent = backends::from_args(&a.backend)?;
-    let cfg = EvalConfig {
-        episodes: a.episodes,
-        out: a.out,
-        modes: vec![],
-        matching: a.matching,
-        run: RunOptions { concurrency: a.concurrency, progress: !a.no_progress },
-    };
-    if a.restart {
-        let removed = discard_results(&cfg.out)?;
-        eprintln!("--restart: discarded {} files in {}", removed.len(), cfg.out.display());
-    }
     let c = calibrate::calibrate(agent.as_ref(), &episodes, &cfg, a.target_fpr)?;
     calibrate::report::write(&cfg.out, &c)?;
     print!("{}", calibrate::report::markdown(&c));
