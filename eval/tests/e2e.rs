@@ -2,7 +2,8 @@
 //! real HTTP endpoint started here (an OpenAI-compatible server that always answers `done`, so every
 //! number of the report is known in advance) and (b) with the in-process backend on the tiny random
 //! checkpoint of askgui-model's fixtures (with its two test LoRA adapters). Also resuming: an `--out` made
-//! by another agent or decoding is refused with the field that differs, `--restart` discards it.
+//! by another agent or decoding is refused with the field that differs, `--restart` discards it. And
+//! `calibrate`: its threshold lands in the adapter's askgui.json and the next `run` evaluates with it.
 
 use std::ffi::OsStr;
 use std::fmt::Debug;
@@ -250,4 +251,46 @@ fn another_adapter_is_refused_the_same_resumes_and_restart_reruns() -> anyhow::R
 /// A path as the identity records it.
 fn identity_path(p: &Path) -> String {
     std::fs::canonicalize(p).unwrap().display().to_string()
+}
+
+/// `calibrate` on the tiny checkpoint writes its threshold into the adapter's askgui.json, and a later
+/// `run` with that adapter evaluates with it; a given `--pause-threshold` is refused, as is a run with
+/// nowhere to write.
+#[test]
+fn calibrate_writes_the_threshold_that_run_then_evaluates_with() -> anyhow::Result<()> {
+    let dir = tmp("calibrate");
+    let file = episodes(&dir.join("data"));
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures");
+    let model = fixtures.join("tiny-qwen2_5_vl");
+    let adapter = dir.join("adapter");
+    std::fs::create_dir_all(&adapter)?;
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(fixtures.join("lora/tiny-qwen2_5_vl-peft").join(f), adapter.join(f))?;
+    }
+    askgui_data::AdapterCard::new(&askgui_data::PromptConfig::default(), 0).write(&adapter)?;
+    let (f, m, a) = (file.to_str().unwrap(), model.to_str().unwrap(), adapter.to_str().unwrap());
+    let cal = dir.join("cal");
+    let c = cal.to_str().unwrap();
+    let common = ["--episodes", f, "--model", m, "--adapter", a, "--max-new-tokens", "4", "--no-progress"];
+
+    run(&[&["calibrate", "--out", c][..], &common].concat());
+    let calibration: Value = serde_json::from_str(&std::fs::read_to_string(cal.join("calibration.json"))?)?;
+    let threshold = calibration["threshold"].as_f64().expect("a threshold");
+    for name in ["calibration.md", "reliability.svg", "pr_curve.svg", "results-standard.jsonl", "results-strict.jsonl"]
+    {
+        assert!(cal.join(name).is_file(), "{name} not written");
+    }
+    let card = askgui_data::AdapterCard::read(&adapter)?.expect("the card");
+    assert_eq!(card.pause_threshold(), Some(threshold));
+
+    let out = dir.join("run");
+    run(&[&["run", "--out", out.to_str().unwrap(), "--modes", "standard"][..], &common].concat());
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json"))?)?;
+    assert_eq!(report["identity"]["agent"]["decoding"]["pause_threshold"].as_f64(), Some(threshold));
+
+    let err = refused(&[&["calibrate", "--out", c, "--pause-threshold", "0.5"][..], &common].concat());
+    assert!(err.contains("leave --pause-threshold"), "{err}");
+    let err = refused(&["calibrate", "--episodes", f, "--out", c, "--endpoint", "http://127.0.0.1:9"]);
+    assert!(err.contains("--card DIR") && err.contains("--no-write"), "{err}");
+    Ok(())
 }
