@@ -10,8 +10,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::metrics::ratio;
 use crate::modes::EpisodeResult;
+use crate::ratio::ratio;
 
 /// The results of the tasks that leave out one number of details.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]

@@ -18,6 +18,7 @@ pub mod identity;
 pub mod matching;
 pub mod metrics;
 pub mod modes;
+pub mod ratio;
 pub mod report;
 pub mod runner;
 pub mod sensitivity;

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ask_behaviour::{ask_behaviour, AskBehaviour};
 use crate::modes::{Counts, EpisodeResult, Mode, StepOutcome, StrictOutcome};
+use crate::ratio::ratio;
 use crate::text::TextMetrics;
 
 /// A metric's value, or why there is none.
@@ -208,10 +209,6 @@ pub struct ModeMetrics {
     /// Asks per task, over-asking, results by details left out, first-ask timing (+ASK and Dual).
     #[serde(default)]
     pub ask_behaviour: Option<AskBehaviour>,
-}
-
-pub fn ratio(num: usize, den: usize) -> Option<f64> {
-    (den > 0).then(|| num as f64 / den as f64)
 }
 
 fn mean(v: &[f64]) -> Option<f64> {

@@ -7,13 +7,13 @@
 
 use askgui_model::{render_chat, Message};
 
+use crate::decoding::Decoding;
 use crate::error::Result;
 use crate::forward::Forward;
 use crate::prompt::{ImageInput, PreparedImage};
 use crate::runtime::Runtime;
 use crate::sampling::sample;
 use crate::sequence::Seq;
-use crate::step::Decoding;
 
 /// Why a completion ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

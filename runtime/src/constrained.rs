@@ -11,10 +11,10 @@
 //! required keys and brackets are always written, so a constrained answer can exceed it by those. Without `constrain` the model writes the rest freely and an answer
 //! that does not parse is an error.
 
+use crate::decoding::Decoding;
 use crate::error::{Result, RuntimeError};
 use crate::runtime::{Runtime, MAX_INT_DIGITS};
 use crate::sampling::{best, normalise, pick};
-use crate::step::Decoding;
 
 /// The longest `wait` a constrained answer may ask for.
 const MAX_WAIT_SECONDS: u64 = 60;

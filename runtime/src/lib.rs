@@ -17,6 +17,7 @@
 mod cache;
 mod complete;
 mod constrained;
+mod decoding;
 mod error;
 mod forward;
 mod packed;

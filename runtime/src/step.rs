@@ -11,15 +11,14 @@ use std::time::Instant;
 use askgui_data::action::ACTION_NAMES;
 use askgui_data::agent_api::{AgentStepResponse, FrameInfo, StepOptions, Timings, Usage};
 use askgui_data::{Action, FrameMap};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 
 use crate::constrained::Schema;
+use crate::decoding::Decoding;
 use crate::error::{Result, RuntimeError};
 use crate::forward::Forward;
 use crate::prompt::Step;
 use crate::runtime::{Runtime, DEFAULT_STEP_TOKENS};
-use crate::sampling::{pick, sample};
+use crate::sampling::pick;
 use crate::sequence::Seq;
 
 /// The answer to one step.
@@ -55,41 +54,6 @@ impl StepOutput {
             usage: self.usage,
             timings: self.timings,
         })
-    }
-}
-
-/// The state of one answer being decoded.
-pub(crate) struct Decoding<'a> {
-    pub(crate) seq: Seq<'a>,
-    pub(crate) temperature: f64,
-    pub(crate) rng: StdRng,
-    /// Tokens the answer may still take, counted by `generated`.
-    pub(crate) budget: usize,
-    pub(crate) generated: usize,
-    cancelled: &'a dyn Fn() -> bool,
-}
-
-impl<'a> Decoding<'a> {
-    pub(crate) fn new(
-        seq: Seq<'a>,
-        temperature: f64,
-        seed: u64,
-        budget: usize,
-        cancelled: &'a dyn Fn() -> bool,
-    ) -> Self {
-        Self { seq, temperature, rng: StdRng::seed_from_u64(seed), budget, generated: 0, cancelled }
-    }
-
-    pub(crate) fn check(&self) -> Result<()> {
-        if (self.cancelled)() {
-            return Err(RuntimeError::Cancelled);
-        }
-        Ok(())
-    }
-
-    /// The next token among `allowed`, by [`sample`] at this answer's temperature (no nucleus cut).
-    pub(crate) fn sample(&mut self, allowed: impl Fn(usize) -> bool) -> u32 {
-        sample(&self.seq.logits, allowed, self.temperature, 1.0, &mut self.rng)
     }
 }
 
