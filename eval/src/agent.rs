@@ -42,9 +42,23 @@ pub struct Prediction {
     pub ask_probability: Option<f64>,
 }
 
+/// How far two answers to one input may differ in `ask_probability` and still be the same answer: a
+/// prompt prefilled in one piece or after a cached prefix runs other GEMM shapes, which moves f32 logits in
+/// their last bits (5e-9 measured on the tiny test checkpoint, 1.1e-8 on the demo's agent).
+pub const ASK_PROBABILITY_TOL: f64 = 1e-5;
+
 impl Prediction {
     pub fn is_ask(&self) -> bool {
         self.action.as_ref().is_some_and(Action::is_ask)
+    }
+
+    /// The same action, text and parse error, and `ask_probability` within [`ASK_PROBABILITY_TOL`].
+    pub fn same_answer(&self, other: &Prediction) -> bool {
+        let p = match (self.ask_probability, other.ask_probability) {
+            (Some(a), Some(b)) => (a - b).abs() <= ASK_PROBABILITY_TOL,
+            (a, b) => a == b,
+        };
+        p && self.action == other.action && self.raw == other.raw && self.parse_error == other.parse_error
     }
 }
 

@@ -22,7 +22,7 @@ use askgui_data::{Action, AdapterCard, LoadedEpisode};
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::agent::{Agent, AgentError, Prediction, StepInput};
+use crate::agent::{Agent, AgentError, Prediction, StepInput, ASK_PROBABILITY_TOL};
 use crate::calibration::{fit_temperature, reliability, scaled, Decision, Reliability};
 use crate::matching::MatchConfig;
 use crate::metrics::{compute, NoContentScorer};
@@ -31,10 +31,6 @@ use crate::runner::{read_results, results_path, run_eval, EvalConfig, RunError};
 
 pub mod report;
 
-/// How far two answers to one input may differ in `ask_probability` and count as the same answer: a
-/// prompt prefilled in one piece or after a cached prefix runs other GEMM shapes, which moves f32 logits
-/// in their last bits (1.1e-8 measured on the demo's agent).
-const P_TOL: f64 = 1e-5;
 /// Bins of the reliability table.
 pub const BINS: usize = 10;
 /// Thresholds replayed at most (evenly spaced over the sorted distinct probabilities beyond this).
@@ -83,7 +79,7 @@ impl Table {
                     .ok_or_else(|| CalibrateError::NoProbability { id: r.id.clone(), step: c.step })?;
                 let rec = Recorded { p, action: c.action.clone(), raw: c.raw.clone() };
                 match t.get(&(r.id.clone(), c.step, c.history)) {
-                    Some(old) if old.action != rec.action || (old.p - p).abs() > P_TOL => {
+                    Some(old) if old.action != rec.action || (old.p - p).abs() > ASK_PROBABILITY_TOL => {
                         return Err(CalibrateError::Nondeterministic {
                             id: r.id.clone(),
                             step: c.step,

@@ -46,7 +46,9 @@ fn in_process_random_model_answers_deterministically_with_the_servers_decoding()
     let action = a.action.clone().unwrap_or_else(|| panic!("a constrained answer parses: {:?}", a.raw));
     action.check().unwrap_or_else(|e| panic!("{e}: {action:?}"));
     let b = agent.predict(&input).unwrap();
-    assert_eq!(a, b, "greedy decoding is deterministic");
+    // The second answer reuses the first prompt's cached prefix: the same answer, its probability equal up
+    // to float reassociation.
+    assert!(a.same_answer(&b), "greedy decoding is deterministic: {a:?} vs {b:?}");
     // Two screenshots (history image + current) go through the same path.
     let two = step(vec![screenshot("backends-inprocess-earlier", 48, 64), shot.clone()], 64, 48, vec![]);
     assert!(agent.predict(&two).unwrap().action.is_some());

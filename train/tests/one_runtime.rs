@@ -160,7 +160,8 @@ fn eval_the_trainer_and_training_data_ask_the_same_and_eval_and_the_trainer_answ
         assert!(pads > 0, "{what}: no image in the prompt");
         assert_eq!(e, ids(&trainer, input), "{what}: eval and the trainer's eval differ");
         assert_eq!(&e, sample, "{what}: the training sample's prompt differs from the runtime's");
-        assert_eq!(predict(&eval, input), predict(&trainer, input), "{what}");
+        let (e, t) = (predict(&eval, input), predict(&trainer, input));
+        assert!(e.same_answer(&t), "{what}: {e:?} vs {t:?}");
     }
 }
 
@@ -212,9 +213,10 @@ fn the_server_asks_and_answers_as_eval_and_the_trainer_do() {
         assert_eq!(served, ids(&eval, input), "{what}: the server and eval differ");
         assert_eq!(served, ids(&trainer, input), "{what}: the server and the trainer's eval differ");
         assert_eq!(&served, sample, "{what}: the server and the training sample differ");
-        let answer = predict(&client, input);
-        assert_eq!(answer, predict(&eval, input), "{what}: the server and eval answer differently");
-        assert_eq!(answer, predict(&trainer, input), "{what}: the server and the trainer's eval answer differently");
+        // The same answers; the server's prefix cache may move ask_probability in its last bits.
+        let (answer, e, t) = (predict(&client, input), predict(&eval, input), predict(&trainer, input));
+        assert!(answer.same_answer(&e), "{what}: the server and eval answer differently: {answer:?} vs {e:?}");
+        assert!(answer.same_answer(&t), "{what}: the server and the trainer's eval differ: {answer:?} vs {t:?}");
     }
     server.stop();
 }
