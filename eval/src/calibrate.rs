@@ -52,8 +52,12 @@ pub enum CalibrateError {
          agent"
     )]
     Nondeterministic { id: String, step: usize, a: String, b: String },
+    #[error("{}: no step needs no ask, so no ask FPR can be measured; calibrate on a split with such steps", .0.display())]
+    NoNegatives(PathBuf),
     #[error("{path}: {reason}")]
     Card { path: PathBuf, reason: String },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
 }
 
 /// What one recorded call answered.
@@ -260,12 +264,7 @@ pub fn calibrate(
     let table = Table::from_results(&standard.iter().chain(&strict).collect::<Vec<_>>())?;
     let sweep = sweep(episodes, &table, &cfg.matching);
     let Some((i, bound_met)) = choose(&sweep, target_fpr) else {
-        return Err(RunError::Results {
-            path: cfg.episodes.clone(),
-            line: 0,
-            reason: "no step needs no ask, so no FPR can be measured; calibrate on a split with such steps".into(),
-        }
-        .into());
+        return Err(CalibrateError::NoNegatives(cfg.episodes.clone()));
     };
     let ds = decisions(&standard);
     let temperature = fit_temperature(&ds);

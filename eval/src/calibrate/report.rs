@@ -19,8 +19,7 @@ pub fn write(dir: &Path, c: &Calibration) -> Result<Vec<PathBuf>, CalibrateError
     let mut paths = Vec::new();
     for (name, text) in FILES.iter().zip(texts) {
         let path = dir.join(name);
-        std::fs::write(&path, text)
-            .map_err(|e| CalibrateError::Card { path: path.clone(), reason: format!("writing it: {e}") })?;
+        std::fs::write(&path, text).map_err(|source| CalibrateError::Io { path: path.clone(), source })?;
         paths.push(path);
     }
     Ok(paths)
