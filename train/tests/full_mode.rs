@@ -1,31 +1,20 @@
 //! `--init-config` + `--mode full`: training from scratch changes every base weight, the loss falls, and
 //! the checkpoint is a model folder that the model loader reads back.
 
+mod common;
+
 use std::path::Path;
 
-use askgui_data::synth::{synth, SynthArgs};
 use askgui_model::Qwen2Vl;
 use askgui_train::cli::from_args;
 use askgui_train::RunControl;
 use candle_core::{DType, Device};
+use common::{episodes, scratch};
 
 #[test]
 fn full_training_from_scratch_writes_a_loadable_model() -> anyhow::Result<()> {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("askgui-train-full");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    synth(&SynthArgs {
-        out: dir.clone(),
-        episodes: 1,
-        seed: 11,
-        width: 224,
-        height: 400,
-        split: "1:0:0".into(),
-        ambiguous_fraction: 0.5,
-        slot_colors: false,
-        grid: 0,
-        icons: false,
-    })?;
+    let dir = scratch("full");
+    let data = episodes(&dir, 1);
     // The test fixture's small config (its special-token ids are the byte-level tokenizer's).
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl/config.json");
     let out = dir.join("run");
@@ -33,7 +22,7 @@ fn full_training_from_scratch_writes_a_loadable_model() -> anyhow::Result<()> {
         "askgui-train --init-config {} --mode full --data {} --output-dir {} --max-pixels 12544 --progress false \
          --lr 1e-2 --warmup-steps 0 --min-lr-ratio 1 --max-steps 8 --batch-size 2 --grad-accum 1 --save-every 0",
         config.display(),
-        dir.join("train.jsonl").display(),
+        data.display(),
         out.display()
     );
     let (cfg, _) = from_args(argv.split_whitespace())?;
