@@ -4,7 +4,8 @@
 //
 // Shapes: q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D), GQA Hq % Hkv == 0; the backward reads q, O, dO packed as
 // (B, Hq, Tq, 3D). Masks: none, causal (the queries are the last Tq of the Tk positions), block-diagonal
-// over `cu` (nseg + 1 boundaries, Tq == Tk), and an optional key padding `keep` (B, Tk), 1 = real key.
+// over `cu` (nseg + 1 boundaries, Tq == Tk), the same segments causal inside each (packed sequences), and an
+// optional key padding `keep` (B, Tk), 1 = real key.
 // A query row with no visible key outputs exactly 0, has lse = -inf and contributes no gradient.
 //
 // Key choices:
@@ -263,13 +264,8 @@ __device__ __forceinline__ void backward(const T* __restrict__ qod, const T* __r
   if (tid < TK) key_ok[tid] = tid < nk && (!has_keep || keep[(long long)b * tk + k0 + tid] != 0);
 
   // Query rows that may see some key of the tile.
-  int qlo = 0, qhi = tq;
-  if (mask == MASK_CAUSAL) {
-    qlo = max(0, k0 - (tk - tq));
-  } else if (mask == MASK_BLOCK) {  // Tq == Tk: the segments of the first and last key
-    qlo = cu[segment_of(cu, nseg, k0)];
-    qhi = cu[segment_of(cu, nseg, k0 + nk - 1) + 1];
-  }
+  int qlo, qhi;
+  tile_queries(k0, nk, tq, tk, mask, cu, nseg, qlo, qhi);
 
   float dka[RK][DC], dva[RK][DC];
 #pragma unroll

@@ -275,13 +275,8 @@ __device__ __forceinline__ void backward_tc(const __nv_bfloat16* __restrict__ qo
   load_tile<BK, DP, LDH>(Vs, vp, d, nk, d);
   if (tid < BK) key_ok[tid] = tid < nk && (!has_keep || keep[(long long)b * tk + k0 + tid] != 0);
 
-  int qlo = 0, qhi = tq;
-  if (mask == MASK_CAUSAL) {
-    qlo = max(0, k0 - (tk - tq));
-  } else if (mask == MASK_BLOCK) {
-    qlo = cu[segment_of(cu, nseg, k0)];
-    qhi = cu[segment_of(cu, nseg, k0 + nk - 1) + 1];
-  }
+  int qlo, qhi;
+  tile_queries(k0, nk, tq, tk, mask, cu, nseg, qlo, qhi);
 
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> dka[KD], dva[KD];
 #pragma unroll

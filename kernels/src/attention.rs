@@ -6,7 +6,9 @@
 //!   `Tq == Tk`, decode with a KV cache when `Tq < Tk`);
 //! - [`AttentionMask::BlockDiagonal`]: tokens attend only inside their segment, given as cumulative
 //!   boundaries (`cu_seqlens`, e.g. `[0, 64, 128, 150]`), as in the vision tower's windows. Segments are
-//!   computed one by one, so no `(T x T)` mask is ever built.
+//!   computed one by one, so no `(T x T)` mask is ever built;
+//! - [`AttentionMask::CausalBlockDiagonal`]: the same segments, causal inside each: several sequences
+//!   packed back to back into one row (padding-free training), each attending only to its own past.
 //!
 //! `key_padding (B, Tk)` (1 = real token, 0 = padding) masks left-padded keys in batched generation.
 //! Masked scores get a large finite negative value rather than `-inf`, so that a query row with no visible
@@ -26,6 +28,9 @@ pub enum AttentionMask<'a> {
     Causal,
     /// Block-diagonal over segments `cu_seqlens[s]..cu_seqlens[s + 1]`; needs `B == 1` and `Tq == Tk`.
     BlockDiagonal(&'a [usize]),
+    /// Block-diagonal over `cu_seqlens` as above, and causal inside each segment: query `i` of segment
+    /// `s` sees keys `cu[s]..=i`. Needs `B == 1` and `Tq == Tk`.
+    CausalBlockDiagonal(&'a [usize]),
 }
 
 /// Softmax over the last dimension in plain ops (differentiable, unlike candle-nn's fused one).
@@ -69,7 +74,7 @@ pub fn attention_reference(
     let k = repeat_kv(k, hq / hkv)?;
     let v = repeat_kv(v, hq / hkv)?;
     match mask {
-        AttentionMask::BlockDiagonal(cu) => {
+        AttentionMask::BlockDiagonal(cu) | AttentionMask::CausalBlockDiagonal(cu) => {
             if b != 1 || tq != tk || cu.first() != Some(&0) || cu.last() != Some(&tk) {
                 candle_core::bail!(
                     "attention: block-diagonal needs B == 1, Tq == Tk and cu_seqlens from 0 to {tk}, got B {b}, Tq {tq}, cu_seqlens {cu:?}"
@@ -82,19 +87,19 @@ pub fn attention_reference(
                     continue;
                 }
                 let (qs, ks, vs) = (q.narrow(2, s, len)?, k.narrow(2, s, len)?, v.narrow(2, s, len)?);
-                outs.push(dense(&qs, &ks, &vs, None, scale)?);
+                let bias = match mask {
+                    AttentionMask::CausalBlockDiagonal(_) => causal_bias(len, len, q)?,
+                    _ => None,
+                };
+                outs.push(dense(&qs, &ks, &vs, bias.as_ref(), scale)?);
             }
             Tensor::cat(&outs, 2)
         }
         AttentionMask::None | AttentionMask::Causal => {
-            let mut bias: Option<Tensor> = None;
-            if matches!(mask, AttentionMask::Causal) && tq > 1 {
-                let off = tk - tq;
-                let m: Vec<f32> =
-                    (0..tq).flat_map(|i| (0..tk).map(move |j| if j > off + i { MASKED as f32 } else { 0.0 })).collect();
-                // (1, 1, Tq, Tk)
-                bias = Some(Tensor::from_vec(m, (1, 1, tq, tk), q.device())?.to_dtype(q.dtype())?);
-            }
+            let mut bias = match mask {
+                AttentionMask::Causal => causal_bias(tq, tk, q)?,
+                _ => None,
+            };
             if let Some(pad) = key_padding {
                 if pad.dims() != [b, tk] {
                     candle_core::bail!("attention: key_padding must be (B, Tk) = ({b}, {tk}), got {:?}", pad.dims())
@@ -109,6 +114,18 @@ pub fn attention_reference(
             dense(q, &k, &v, bias.as_ref(), scale)
         }
     }
+}
+
+/// The causal bias `(1, 1, Tq, Tk)` for queries that are the last `Tq` of `Tk` keys (`None` for one query,
+/// which sees every key), in `like`'s dtype and device.
+fn causal_bias(tq: usize, tk: usize, like: &Tensor) -> Result<Option<Tensor>> {
+    if tq <= 1 {
+        return Ok(None);
+    }
+    let off = tk - tq;
+    let m: Vec<f32> =
+        (0..tq).flat_map(|i| (0..tk).map(move |j| if j > off + i { MASKED as f32 } else { 0.0 })).collect();
+    Ok(Some(Tensor::from_vec(m, (1, 1, tq, tk), like.device())?.to_dtype(like.dtype())?))
 }
 
 /// `softmax(q k^T * scale + bias) v` with already repeated heads.
@@ -190,6 +207,25 @@ mod tests {
         let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-6, "max diff {diff}");
         assert!(attention_reference(&q, &k, &v, AttentionMask::BlockDiagonal(&[0, 4]), None, 0.5).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn causal_block_diagonal_equals_each_segment_alone_under_the_naive_causal_mask() -> Result<()> {
+        let dev = Device::Cpu;
+        let (hq, hkv, t, d) = (4, 2, 12, 4);
+        let q = Tensor::randn(0f32, 1., (1, hq, t, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (1, hkv, t, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (1, hkv, t, d), &dev)?;
+        let cu = [0, 5, 5, 6, 12];
+        let got = attention_reference(&q, &k, &v, AttentionMask::CausalBlockDiagonal(&cu), None, 0.5)?;
+        for w in cu.windows(2).filter(|w| w[1] > w[0]) {
+            let (s, n) = (w[0], w[1] - w[0]);
+            let part = |x: &Tensor| -> Result<Vec<f32>> { x.narrow(2, s, n)?.flatten_all()?.to_vec1() };
+            let want = naive(&part(&q)?, &part(&k)?, &part(&v)?, (hq, hkv, n, n, d), true);
+            let diff = part(&got)?.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff < 1e-5, "segment {s}..{}: max diff {diff}", w[1]);
+        }
         Ok(())
     }
 }

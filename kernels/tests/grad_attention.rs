@@ -42,7 +42,8 @@ struct Case {
 impl Case {
     fn mask(&self) -> AttentionMask<'_> {
         match (&self.cu, self.causal) {
-            (Some(cu), _) => AttentionMask::BlockDiagonal(cu),
+            (Some(cu), false) => AttentionMask::BlockDiagonal(cu),
+            (Some(cu), true) => AttentionMask::CausalBlockDiagonal(cu),
             (None, true) => AttentionMask::Causal,
             (None, false) => AttentionMask::None,
         }
@@ -102,6 +103,9 @@ fn cases() -> Vec<Case> {
         // More keys than one streaming block (64): exercises the online rescaling across blocks.
         Case { name: "long_causal_padding", tq: 70, pad: Some(long_pad), ..long("", true) },
         Case { name: "long_block_diagonal", b: 1, cu: Some(vec![0, 70, 71, 150]), ..long("", false) },
+        // Packed sequences: causal inside each segment, the first longer than one query block.
+        Case { name: "causal_block_diagonal", b: 1, cu: Some(vec![0, 5, 5, 6, 13]), ..base("", true) },
+        Case { name: "long_causal_block_diagonal", b: 1, cu: Some(vec![0, 70, 71, 150]), ..long("", true) },
     ]
 }
 

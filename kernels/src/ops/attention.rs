@@ -2,7 +2,8 @@
 //!
 //! What: [`attention`] computes `softmax(q k^T * scale + mask) v` for `q (B, Hq, Tq, D)`, `k, v (B, Hkv, Tk,
 //! D)` (GQA, `Hq % Hkv == 0`) with the masks of [`crate::attention_reference`] (its twin and spec): none,
-//! causal (queries are the last `Tq` key positions), block-diagonal over `cu_seqlens` (`B == 1`, `Tq == Tk`),
+//! causal (queries are the last `Tq` key positions), block-diagonal over `cu_seqlens` (`B == 1`, `Tq == Tk`)
+//! and its causal variant (packed sequences),
 //! and an optional key padding `(B, Tk)` (1 = real key, 0 = padding).
 //!
 //! Why: the reference materialises a `(Tq x Tk)` score matrix (and a mask tensor) per head and keeps them
@@ -60,6 +61,17 @@ enum Mask {
     Causal,
     /// `cu_seqlens`, validated: starts at 0, non-decreasing, ends at `Tk`.
     BlockDiagonal(Vec<usize>),
+    /// The same segments, causal inside each.
+    CausalBlockDiagonal(Vec<usize>),
+}
+
+impl Mask {
+    fn segments(&self) -> Option<&[usize]> {
+        match self {
+            Mask::BlockDiagonal(cu) | Mask::CausalBlockDiagonal(cu) => Some(cu),
+            Mask::None | Mask::Causal => None,
+        }
+    }
 }
 
 /// Problem sizes: `q (b, hq, tq, d)`, `k, v (b, hkv, tk, d)`.
@@ -84,7 +96,7 @@ fn check_dims(op: &str, q: &[usize], k: &[usize], v: &[usize], mask: &Mask, padd
     if tq > tk {
         bail!("{op}: {tq} queries but only {tk} keys (q {q:?}, k {k:?}); the queries must be the last Tq keys")
     }
-    if let Mask::BlockDiagonal(cu) = mask {
+    if let Some(cu) = mask.segments() {
         let ordered = cu.windows(2).all(|w| w[0] <= w[1]);
         if b != 1 || tq != tk || cu.first() != Some(&0) || cu.last() != Some(&tk) || !ordered {
             bail!(
@@ -114,10 +126,13 @@ impl Spec {
         match &self.mask {
             Mask::None => (0, dims.tk),
             Mask::Causal => (0, dims.tk - dims.tq + i + 1),
-            Mask::BlockDiagonal(cu) => {
+            Mask::BlockDiagonal(cu) | Mask::CausalBlockDiagonal(cu) => {
                 // The segment s with cu[s] <= i < cu[s + 1] (empty segments are skipped by the search).
                 let s = cu.partition_point(|&c| c <= i) - 1;
-                (cu[s], cu[s + 1])
+                match self.mask {
+                    Mask::CausalBlockDiagonal(_) => (cu[s], i + 1),
+                    _ => (cu[s], cu[s + 1]),
+                }
             }
         }
     }
@@ -512,6 +527,7 @@ fn spec(
         AttentionMask::None => Mask::None,
         AttentionMask::Causal => Mask::Causal,
         AttentionMask::BlockDiagonal(cu) => Mask::BlockDiagonal(cu.to_vec()),
+        AttentionMask::CausalBlockDiagonal(cu) => Mask::CausalBlockDiagonal(cu.to_vec()),
     };
     let dims = check_dims("attention", q.dims(), k.dims(), v.dims(), &mask, key_padding.is_some())?;
     let keep = match key_padding {

@@ -33,6 +33,8 @@ pub enum Mask {
     Causal,
     /// `cu_seqlens`: non-decreasing from 0 to `Tk`; needs `B == 1`, `Tq == Tk`.
     Block(Vec<usize>),
+    /// The same segments, causal inside each (packed sequences).
+    CausalBlock(Vec<usize>),
 }
 
 /// One attention call, validated by the op (`ops::attention`'s `check_dims`).
@@ -127,7 +129,8 @@ impl Geometry {
     }
 }
 
-/// The mask's device tables and scalars: kind (0 none, 1 causal, 2 block-diagonal), `cu` as i32, `nseg`,
+/// The mask's device tables and scalars: kind (0 none, 1 causal, 2 block-diagonal, 3 causal
+/// block-diagonal: `Mask` in attention.cuh), `cu` as i32, `nseg`,
 /// key padding as u8 `(B, Tk)`, `has_keep`. Absent parts are one-element dummies the kernels never read.
 struct MaskArgs {
     kind: i32,
@@ -138,10 +141,12 @@ struct MaskArgs {
 }
 
 fn mask_args(op: &str, plan: &mut Plan, p: &Problem) -> Result<MaskArgs, PlanError> {
+    let table = |cu: &[usize]| cu.iter().map(|&c| int(op, "a cu_seqlens entry", c)).collect::<Result<Vec<i32>, _>>();
     let (kind, cu) = match &p.mask {
         Mask::None => (0, vec![0]),
         Mask::Causal => (1, vec![0]),
-        Mask::Block(cu) => (2, cu.iter().map(|&c| int(op, "a cu_seqlens entry", c)).collect::<Result<Vec<i32>, _>>()?),
+        Mask::Block(cu) => (2, table(cu)?),
+        Mask::CausalBlock(cu) => (3, table(cu)?),
     };
     let nseg = int(op, "the number of segments", cu.len().saturating_sub(1))?;
     let (keep, has_keep) = match &p.keep {

@@ -47,6 +47,8 @@ enum Mask {
     None,
     Causal,
     Windows(Vec<usize>),
+    /// The same segments, causal inside each (packed training sequences).
+    Packed(Vec<usize>),
 }
 
 /// One problem: `q (b, hq, tq, d)`, `k, v (b, hkv, tk, d)`, a mask, optional key padding `(b, tk)`.
@@ -87,6 +89,7 @@ impl Case {
             Mask::None => AttentionMask::None,
             Mask::Causal => AttentionMask::Causal,
             Mask::Windows(cu) => AttentionMask::BlockDiagonal(cu),
+            Mask::Packed(cu) => AttentionMask::CausalBlockDiagonal(cu),
         }
     }
 
@@ -96,6 +99,7 @@ impl Case {
             Mask::Causal => "causal".to_string(),
             Mask::Windows(cu) if cu.len() <= 12 => format!("block-diagonal {cu:?}"),
             Mask::Windows(cu) => format!("block-diagonal ({} segments)", cu.len() - 1),
+            Mask::Packed(cu) => format!("causal block-diagonal {cu:?}"),
         };
         let pad = if self.pad.is_some() { ", key padding" } else { "" };
         format!(
@@ -228,6 +232,9 @@ fn attention_block_diagonal_windows() -> Result<()> {
             c("windows64_gqa1_d80", (1, 4, 4), (1000, 1000, 80), Mask::Windows(windows(1000, 64))),
             c("odd_gqa7_d128", (1, 7, 1), (300, 300, 128), Mask::Windows(vec![0, 1, 130, 300])),
             c("one_window_d64", (1, 2, 1), (129, 129, 64), Mask::Windows(vec![0, 129])),
+            // Packed sequences of 64, 1, 35, 129, 0 and 771 tokens, causal inside each.
+            c("packed_gqa2_d128", (1, 4, 2), (1000, 1000, 128), Mask::Packed(vec![0, 64, 65, 100, 229, 229, 1000])),
+            c("packed_odd_gqa7_d80", (1, 7, 1), (300, 300, 80), Mask::Packed(vec![0, 1, 130, 300])),
         ],
     )
 }

@@ -52,6 +52,7 @@ fn cpu(p: &Problem, xs: &[Vec<f64>; 4]) -> Vec<Vec<f64>> {
         Mask::None => AttentionMask::None,
         Mask::Causal => AttentionMask::Causal,
         Mask::Block(cu) => AttentionMask::BlockDiagonal(cu),
+        Mask::CausalBlock(cu) => AttentionMask::CausalBlockDiagonal(cu),
     };
     let o =
         attention(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), mask, pad.as_ref(), p.scale).unwrap();
@@ -155,6 +156,8 @@ fn attention_head_dims_and_windows() {
         &[
             case("t129_none_d128", (1, 2, 2), (129, 129, 128), Mask::None),
             case("windows_d96", (1, 2, 1), (150, 150, 96), Mask::Block(vec![0, 64, 65, 100, 100, 150])),
+            // Packed sequences of 64, 1, 35, 0 and 50 tokens, causal inside each: unaligned to the tiles.
+            case("packed_gqa2_d64", (1, 4, 2), (150, 150, 64), Mask::CausalBlock(vec![0, 64, 65, 100, 100, 150])),
             case("d17_causal", (1, 2, 1), (77, 77, 17), Mask::Causal),
             case("d48_none_tq20_tk70", (1, 2, 2), (20, 70, 48), Mask::None),
         ],

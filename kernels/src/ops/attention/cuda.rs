@@ -20,6 +20,7 @@ fn problem(spec: &Spec, dims: &Dims) -> Problem {
         Mask::None => plan::Mask::None,
         Mask::Causal => plan::Mask::Causal,
         Mask::BlockDiagonal(cu) => plan::Mask::Block(cu.clone()),
+        Mask::CausalBlockDiagonal(cu) => plan::Mask::CausalBlock(cu.clone()),
     };
     let Dims { b, hq, hkv, tq, tk, d } = *dims;
     Problem { b, hq, hkv, tq, tk, d, mask, keep: spec.keep.clone(), scale: spec.scale }
