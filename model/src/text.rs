@@ -183,7 +183,7 @@ impl TextDecoder {
         let mut x = embeds.clone();
         cache.fit(self.layers.len());
         for (i, slot) in cache.layers.iter_mut().enumerate() {
-            x = self.layer(i, &x, &rope, key_padding, Some(slot), train)?;
+            x = self.layer(i, &x, (&rope, AttentionMask::Causal), key_padding, Some(slot), train)?;
         }
         self.final_norm(&x, train)
     }
@@ -231,13 +231,14 @@ impl TextDecoder {
         Ok((cos, sin))
     }
 
-    /// Layer `i`: `x (B, T, H) -> (B, T, H)`, attention then MLP, both pre-norm and residual. With a
-    /// cache `slot` the layer attends over the cached keys too and appends its own.
+    /// Layer `i`: `x (B, T, H) -> (B, T, H)`, attention under `mask` then MLP, both pre-norm and
+    /// residual. With a cache `slot` the layer attends over the cached keys too and appends its own. The
+    /// training path passes a causal block-diagonal mask for packed sequences (`B == 1`).
     pub(crate) fn layer(
         &self,
         i: usize,
         x: &Tensor,
-        rope: &(Tensor, Tensor),
+        (rope, mask): (&(Tensor, Tensor), AttentionMask),
         key_padding: Option<&Tensor>,
         slot: Option<&mut Option<(Tensor, Tensor)>>,
         train: Option<&TrainCtx>,
@@ -248,8 +249,8 @@ impl TextDecoder {
         }
         let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         let o = match train {
-            None => crate::layers::attention(&q, &k, &v, AttentionMask::Causal, key_padding, scale, self.kernels)?,
-            Some(ctx) => ctx.attention((&q, &k, &v), AttentionMask::Causal, key_padding, scale)?,
+            None => crate::layers::attention(&q, &k, &v, mask, key_padding, scale, self.kernels)?,
+            Some(ctx) => ctx.attention((&q, &k, &v), mask, key_padding, scale)?,
         };
         self.attn_out_mlp(i, x, &o, train)
     }

@@ -15,6 +15,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use askgui_kernels::AttentionMask;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use rand::rngs::StdRng;
@@ -22,6 +23,7 @@ use rand::{Rng, SeedableRng};
 
 pub use crate::adapter_slot::master_dtype;
 use crate::adapter_slot::LoraDelta;
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layers::{matmul_t, Linear};
 use crate::model::{mrope_positions, Qwen2Vl};
@@ -59,11 +61,16 @@ pub struct StepOptions {
     pub region_weight: f64,
     /// The decoder layer (1-based, at most the depth) whose output the region loss reads.
     pub region_layer: usize,
+    /// Pack the batch's sequences back to back into one row, with attention block-diagonal over them
+    /// and causal inside each, instead of right-padding them to the longest: no padding is computed, and
+    /// the loss and gradients are those of the padded batch (up to float reassociation). LoRA dropout
+    /// draws other masks for the other shape.
+    pub pack: bool,
 }
 
 impl Default for StepOptions {
     fn default() -> Self {
-        Self { checkpointing: true, dropout_seed: 0, region_weight: 0.0, region_layer: 1 }
+        Self { checkpointing: true, dropout_seed: 0, region_weight: 0.0, region_layer: 1, pack: false }
     }
 }
 
@@ -82,6 +89,129 @@ struct Chain<'a> {
     x0: Tensor,
     stages: Vec<Stage<'a>>,
     supervised: usize,
+    /// The flat `(B T)` row of each sequence's first token.
+    starts: Vec<usize>,
+}
+
+/// The decoder's attention: causal over one sequence a row, or block-diagonal over packed sequences
+/// (`cu_seqlens`) and causal inside each.
+fn decoder_mask(cu: Option<&[usize]>) -> AttentionMask<'_> {
+    match cu {
+        Some(cu) => AttentionMask::CausalBlockDiagonal(cu),
+        None => AttentionMask::Causal,
+    }
+}
+
+/// What the chain's last stage returns.
+#[derive(Debug, Clone, Copy)]
+enum Head {
+    /// The masked mean cross-entropy, plus the region loss at decoder layer `region_layer` (1-based) when
+    /// `region_weight` is positive.
+    Loss { region_weight: f64, region_layer: usize },
+    /// The logits `(B T, V)` of every row.
+    Logits,
+}
+
+/// A batch's sequences as decoder rows `(B, T)`: right-padded to the longest (`B` sequences), or packed
+/// back to back into one row (`B == 1`, `T` = the sum of their lengths: no padding at all). Every flat
+/// `(B T)` row is indexed by its sequence's start plus its position, so the two layouts share one loop.
+/// Each sequence keeps its own M-RoPE positions, as if it were alone, and row `r` is labelled with the
+/// next token of its own sequence; a sequence's last row, and padding, are unsupervised.
+struct Rows {
+    b: usize,
+    t: usize,
+    ids: Vec<u32>,
+    labels: Vec<u32>,
+    mask: Vec<f32>,
+    /// `(3, B, T)` flattened.
+    pos: Vec<f32>,
+    starts: Vec<usize>,
+    /// Packed: the sequences' boundaries in the one row (`cu_seqlens`).
+    cu: Option<Vec<usize>>,
+    region_rows: Vec<u32>,
+    region_labels: Vec<u32>,
+    pixels: Vec<Tensor>,
+    grids: Vec<[usize; 3]>,
+}
+
+impl Rows {
+    fn new(batch: &[TrainExample], pack: bool, region: bool, cfg: &ModelConfig) -> Result<Self> {
+        let lens: Vec<usize> = batch.iter().map(|e| e.ids.len()).collect();
+        let (b, t) = match pack {
+            true => (1, lens.iter().sum()),
+            false => (batch.len(), lens.iter().copied().max().unwrap_or(0)),
+        };
+        if batch.is_empty() {
+            return Err(ModelError::Train("the batch is empty".into()));
+        }
+        let starts: Vec<usize> = match pack {
+            true => lens.iter().scan(0, |acc, &n| Some(std::mem::replace(acc, *acc + n))).collect(),
+            false => (0..batch.len()).map(|i| i * t).collect(),
+        };
+        let n_rows = b * t;
+        let mut rows = Rows {
+            b,
+            t,
+            ids: vec![0; n_rows],
+            labels: vec![0; n_rows],
+            mask: vec![0.0; n_rows],
+            pos: vec![0.0; 3 * n_rows],
+            cu: pack.then(|| starts.iter().copied().chain([t]).collect()),
+            starts,
+            region_rows: vec![],
+            region_labels: vec![],
+            pixels: vec![],
+            grids: vec![],
+        };
+        for (i, e) in batch.iter().enumerate() {
+            rows.add(i, e, region, cfg)?;
+        }
+        Ok(rows)
+    }
+
+    /// Writes sequence `i` at its start.
+    fn add(&mut self, i: usize, e: &TrainExample, region: bool, cfg: &ModelConfig) -> Result<()> {
+        let (n, s, n_rows) = (e.ids.len(), self.starts[i], self.b * self.t);
+        if e.labels_mask.len() != n || n < 2 {
+            return Err(ModelError::Train(format!(
+                "sequence {i}: {n} tokens and {} mask entries; they must be equal and at least 2",
+                e.labels_mask.len()
+            )));
+        }
+        self.ids[s..s + n].copy_from_slice(&e.ids);
+        for j in 1..n {
+            self.labels[s + j - 1] = e.ids[j];
+            self.mask[s + j - 1] = e.labels_mask[j] as u8 as f32;
+        }
+        if region {
+            for &(p, tok) in &e.region_targets {
+                if p >= n {
+                    return Err(ModelError::Train(format!(
+                        "sequence {i}: a region target at position {p} is past its {n} tokens"
+                    )));
+                }
+                self.region_rows.push((s + p) as u32);
+                self.region_labels.push(tok);
+            }
+        }
+        let (pos, _) = mrope_positions(&e.ids, &e.grid_thw, cfg)?;
+        for (j, xyz) in pos.iter().enumerate() {
+            for (a, &v) in xyz.iter().enumerate() {
+                self.pos[a * n_rows + s + j] = v as f32;
+            }
+        }
+        match (&e.pixel_values, e.grid_thw.is_empty()) {
+            (Some(pv), false) => self.pixels.push(pv.clone()),
+            (None, true) => {}
+            _ => {
+                return Err(ModelError::Train(format!(
+                    "sequence {i}: pixel_values and grid_thw must be given together"
+                )))
+            }
+        }
+        self.grids.extend_from_slice(&e.grid_thw);
+        Ok(())
+    }
 }
 
 impl Qwen2Vl {
@@ -269,7 +399,8 @@ impl Qwen2Vl {
             params.extend(self.base_vars()?.into_iter().map(|(_, v)| v));
         }
         let ctx = self.train_ctx(opts.dropout_seed)?;
-        let chain = self.train_chain(batch, &ctx, (opts.region_weight, opts.region_layer))?;
+        let head = Head::Loss { region_weight: opts.region_weight, region_layer: opts.region_layer };
+        let chain = self.train_chain(batch, &ctx, opts.pack, head)?;
         let (loss, grads) = recompute::forward_backward(&chain.x0, &chain.stages, &params, opts.checkpointing)?;
         Ok(StepOutput {
             loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
@@ -283,7 +414,7 @@ impl Qwen2Vl {
     /// in it for gradients of base weights).
     pub fn loss(&self, batch: &[TrainExample], dropout_seed: u64) -> Result<Tensor> {
         let ctx = self.train_ctx(dropout_seed)?;
-        let chain = self.train_chain(batch, &ctx, (0.0, 0))?;
+        let chain = self.train_chain(batch, &ctx, false, Head::Loss { region_weight: 0.0, region_layer: 1 })?;
         recompute::graph(&chain.x0, &chain.stages)
     }
 
@@ -291,9 +422,25 @@ impl Qwen2Vl {
     /// outlives a stage. Dropout is off. Returns the mean loss and the number of supervised tokens.
     pub fn eval_loss(&self, batch: &[TrainExample]) -> Result<(f64, usize)> {
         let ctx = TrainCtx::new(0.0, 0, self.kernels())?;
-        let chain = self.train_chain(batch, &ctx, (0.0, 0))?;
+        let chain = self.train_chain(batch, &ctx, false, Head::Loss { region_weight: 0.0, region_layer: 1 })?;
         let loss = recompute::forward_loss(&chain.x0, &chain.stages)?;
         Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, chain.supervised))
+    }
+
+    /// The training forward's logits of each sequence of `batch`, `(n_i, V)` for sequence `i` of `n_i`
+    /// tokens (row `j` predicts token `j + 1`), with dropout off and no gradient; `pack` lays the batch
+    /// out as [`StepOptions::pack`] does. A sequence's logits do not depend on the others it is batched
+    /// or packed with (`tests/packing.rs`).
+    pub fn train_logits(&self, batch: &[TrainExample], pack: bool) -> Result<Vec<Tensor>> {
+        let ctx = TrainCtx::new(0.0, 0, self.kernels())?;
+        let chain = self.train_chain(batch, &ctx, pack, Head::Logits)?;
+        let (logits, _) = recompute::forward(&chain.x0, &chain.stages)?;
+        Ok(chain
+            .starts
+            .iter()
+            .zip(batch)
+            .map(|(&s, e)| logits.narrow(0, s, e.ids.len()))
+            .collect::<candle_core::Result<_>>()?)
     }
 
     fn train_ctx(&self, seed: u64) -> Result<TrainCtx> {
@@ -307,158 +454,128 @@ impl Qwen2Vl {
     }
 
     /// The training forward of `batch` as a chain of stages: the vision blocks, the merger with the
-    /// embedding, the decoder layers, and the head with the loss. Sequences are right-padded to the
-    /// longest: with causal attention a real token never sees a pad, so no padding mask is needed, and the
-    /// pads are not supervised. With `region = (weight, layer)` and a positive weight, decoder layer
-    /// `layer` adds the weighted mean loss of the batch's region targets as a side loss.
+    /// embedding, the decoder layers, and `head` (the loss, or the logits). The sequences are laid out by
+    /// [`Rows::new`]: right-padded to the longest, or packed back to back. With `region = (weight, layer)`
+    /// and a positive weight, decoder layer `layer` adds the weighted mean loss of the batch's region
+    /// targets as a side loss.
     fn train_chain<'a>(
         &'a self,
         batch: &[TrainExample],
         ctx: &'a TrainCtx,
-        (region_weight, region_layer): (f64, usize),
+        pack: bool,
+        head: Head,
     ) -> Result<Chain<'a>> {
-        let (b, t) = (batch.len(), batch.iter().map(|e| e.ids.len()).max().unwrap_or(0));
-        if b == 0 {
-            return Err(ModelError::Train("the batch is empty".into()));
-        }
-        let mut ids = vec![0u32; b * t];
-        let mut labels = vec![0u32; b * (t - 1)];
-        let mut mask = vec![0f32; b * (t - 1)];
-        // Region targets: rows of the flattened (B T) hidden states and their tokens.
-        let (mut region_rows, mut region_labels) = (Vec::new(), Vec::new());
-        let mut positions = Vec::with_capacity(b);
-        let (mut pixels, mut grids) = (vec![], vec![]);
-        for (i, e) in batch.iter().enumerate() {
-            let n = e.ids.len();
-            if e.labels_mask.len() != n || n < 2 {
-                return Err(ModelError::Train(format!(
-                    "sequence {i}: {n} tokens and {} mask entries; they must be equal and at least 2",
-                    e.labels_mask.len()
-                )));
-            }
-            ids[i * t..i * t + n].copy_from_slice(&e.ids);
-            for j in 1..n {
-                labels[i * (t - 1) + j - 1] = e.ids[j];
-                mask[i * (t - 1) + j - 1] = e.labels_mask[j] as u8 as f32;
-            }
-            if region_weight > 0.0 {
-                for &(p, tok) in &e.region_targets {
-                    if p >= n {
-                        return Err(ModelError::Train(format!(
-                            "sequence {i}: a region target at position {p} is past its {n} tokens"
-                        )));
-                    }
-                    region_rows.push((i * t + p) as u32);
-                    region_labels.push(tok);
-                }
-            }
-            let (mut pos, _) = mrope_positions(&e.ids, &e.grid_thw, &self.cfg)?;
-            pos.resize(t, [0; 3]);
-            positions.push(pos);
-            match (&e.pixel_values, e.grid_thw.is_empty()) {
-                (Some(pv), false) => pixels.push(pv.clone()),
-                (None, true) => {}
-                _ => {
-                    return Err(ModelError::Train(format!(
-                        "sequence {i}: pixel_values and grid_thw must be given together"
-                    )))
-                }
-            }
-            grids.extend_from_slice(&e.grid_thw);
-        }
-        let supervised = mask.iter().filter(|&&m| m > 0.0).count();
-        if supervised == 0 {
+        let region_weight = match head {
+            Head::Loss { region_weight, .. } => region_weight,
+            Head::Logits => 0.0,
+        };
+        let rows = Rows::new(batch, pack, region_weight > 0.0, &self.cfg)?;
+        let (b, t) = (rows.b, rows.t);
+        let supervised = rows.mask.iter().filter(|&&m| m > 0.0).count();
+        if supervised == 0 && matches!(head, Head::Loss { .. }) {
             return Err(ModelError::Train("no token of the batch is supervised (labels_mask is all false)".into()));
         }
         let dev = &self.device;
-        // Positions were padded at the right: (3, B, T) from [B][T][3].
-        let mut pos = vec![0f32; 3 * b * t];
-        for (i, p) in positions.iter().enumerate() {
-            for (j, xyz) in p.iter().enumerate() {
-                for (a, &v) in xyz.iter().enumerate() {
-                    pos[(a * b + i) * t + j] = v as f32;
-                }
-            }
-        }
-        let rope = self.text.rope(&Tensor::from_vec(pos, (3, b, t), &candle_core::Device::Cpu)?, self.dtype(), dev)?;
-        let ids = Tensor::from_vec(ids, (b, t), dev)?;
-        let labels = Tensor::from_vec(labels, b * (t - 1), dev)?;
-        let mask = Tensor::from_vec(mask, b * (t - 1), dev)?;
-        let region = match region_rows.len() {
+        let pos = Tensor::from_vec(rows.pos, (3, b, t), &candle_core::Device::Cpu)?;
+        let rope = std::rc::Rc::new(self.text.rope(&pos, self.dtype(), dev)?);
+        let ids = Tensor::from_vec(rows.ids, (b, t), dev)?;
+        let labels = Tensor::from_vec(rows.labels, b * t, dev)?;
+        let mask = Tensor::from_vec(rows.mask, b * t, dev)?;
+        let region = match rows.region_rows.len() {
             0 => None,
             k => Some((
-                Tensor::from_vec(region_rows, k, dev)?,
-                Tensor::from_vec(region_labels, k, dev)?,
+                Tensor::from_vec(rows.region_rows, k, dev)?,
+                Tensor::from_vec(rows.region_labels, k, dev)?,
                 Tensor::ones(k, DType::F32, dev)?,
             )),
         };
-        let region_at = region_layer.clamp(1, self.text.depth()) - 1;
+        let cu = std::rc::Rc::new(rows.cu);
         let full = ctx.full;
         let trainable =
             |ls: Vec<&Linear>| full || ls.iter().any(|l| l.lora.active_delta().is_some_and(|d| d.a.is_variable()));
 
         let mut stages = Vec::new();
-        let x0 = if pixels.is_empty() {
-            if full {
-                // The embedding is trained: a first stage that ignores its (constant) input recomputes it.
-                let ids = ids.clone();
-                stages.push(Stage::new(true, move |_: &Tensor| self.embed(&ids, None)));
-            }
-            self.embed(&ids, None)?.detach()
-        } else {
-            let pv = Tensor::cat(&pixels, 0)?;
-            let prep = std::rc::Rc::new(self.vision.prepare(&pv, &grids)?);
-            let x0 = prep.x.detach();
-            if full {
-                // The patch embedding is trained: recompute it in a first stage (`prepare` is outside the chain).
-                let prep = prep.clone();
-                stages.push(Stage::new(true, move |_: &Tensor| self.vision.embed_patches(&pv, &prep.layout)));
-            }
-            for i in 0..self.vision.depth() {
-                let prep = prep.clone();
-                stages.push(Stage::new(trainable(self.vision.stage_linears(i)), move |x: &Tensor| {
-                    self.vision.block(i, x, &prep, Some(ctx))
-                }));
-            }
-            let ids = ids.clone();
-            stages.push(Stage::new(trainable(self.vision.stage_linears(self.vision.depth())), move |x: &Tensor| {
-                let feats = self.vision.merge(x, &prep, Some(ctx))?;
-                self.embed(&ids, Some(&feats))
-            }));
-            x0
-        };
-        let rope = std::rc::Rc::new(rope);
+        let x0 = self.embed_stages(&mut stages, &ids, (rows.pixels, &rows.grids), ctx, trainable)?;
         // The LM head over (N, H) hidden rows.
-        let head = move |h: &Tensor| -> Result<Tensor> {
+        let lm_head = move |h: &Tensor| -> Result<Tensor> {
             Ok(match full {
                 true => matmul_t(h, &self.lm_head)?,
                 false => ctx.frozen_linear(h, &self.lm_head)?,
             })
         };
+        let region_at = match head {
+            Head::Loss { region_layer, .. } => region_layer.clamp(1, self.text.depth()) - 1,
+            Head::Logits => usize::MAX,
+        };
         let mut region = region;
         for i in 0..self.text.depth() {
-            let rope = rope.clone();
+            let (rope, cu) = (rope.clone(), cu.clone());
             let has_params = trainable(self.text.layer_linears(i));
             match region.take_if(|_| i == region_at) {
                 Some((rows, labels, ones)) => stages.push(Stage::with_side_loss(has_params, move |x: &Tensor| {
-                    let y = self.text.layer(i, x, &rope, None, None, Some(ctx))?;
+                    let y = self.text.layer(i, x, (&rope, decoder_mask(cu.as_deref())), None, None, Some(ctx))?;
                     // (B, T, H) -> (B T, H) -> (K, H): the region rows, through the final norm and the head.
                     let h = y.reshape((b * t, ()))?.index_select(&rows, 0)?;
-                    let logits = head(&self.text.final_norm(&h, Some(ctx))?)?;
+                    let logits = lm_head(&self.text.final_norm(&h, Some(ctx))?)?;
                     let side = (ctx.cross_entropy(&logits, &labels, &ones)? * region_weight)?;
                     Ok((y, side))
                 })),
                 None => stages.push(Stage::new(has_params, move |x: &Tensor| {
-                    self.text.layer(i, x, &rope, None, None, Some(ctx))
+                    self.text.layer(i, x, (&rope, decoder_mask(cu.as_deref())), None, None, Some(ctx))
                 })),
             }
         }
         stages.push(Stage::new(full, move |x: &Tensor| {
-            // (B, T, H) -> (B, T - 1, H) -> (B (T - 1), V): the logits at t - 1 predict token t.
-            let h = self.text.final_norm(x, Some(ctx))?.narrow(1, 0, t - 1)?.reshape((b * (t - 1), ()))?;
-            Ok(ctx.cross_entropy(&head(&h)?, &labels, &mask)?)
+            // (B, T, H) -> (B T, V): row r's logits predict the next token of r's own sequence.
+            let logits = lm_head(&self.text.final_norm(x, Some(ctx))?.reshape((b * t, ()))?)?;
+            match head {
+                Head::Loss { .. } => Ok(ctx.cross_entropy(&logits, &labels, &mask)?),
+                Head::Logits => Ok(logits),
+            }
         }));
-        Ok(Chain { x0, stages, supervised })
+        Ok(Chain { x0, stages, supervised, starts: rows.starts })
+    }
+
+    /// The stages before the decoder: the vision blocks and the merger spliced into the token embeddings
+    /// (or the embeddings alone for text), and a first stage that recomputes a trained embedding or patch
+    /// embedding. Returns the chain's input.
+    fn embed_stages<'a>(
+        &'a self,
+        stages: &mut Vec<Stage<'a>>,
+        ids: &Tensor,
+        (pixels, grids): (Vec<Tensor>, &[[usize; 3]]),
+        ctx: &'a TrainCtx,
+        trainable: impl Fn(Vec<&Linear>) -> bool,
+    ) -> Result<Tensor> {
+        let full = ctx.full;
+        if pixels.is_empty() {
+            if full {
+                // The embedding is trained: a first stage that ignores its (constant) input recomputes it.
+                let ids = ids.clone();
+                stages.push(Stage::new(true, move |_: &Tensor| self.embed(&ids, None)));
+            }
+            return Ok(self.embed(ids, None)?.detach());
+        }
+        let pv = Tensor::cat(&pixels, 0)?;
+        let prep = std::rc::Rc::new(self.vision.prepare(&pv, grids)?);
+        let x0 = prep.x.detach();
+        if full {
+            // The patch embedding is trained: recompute it in a first stage (`prepare` is outside the chain).
+            let prep = prep.clone();
+            stages.push(Stage::new(true, move |_: &Tensor| self.vision.embed_patches(&pv, &prep.layout)));
+        }
+        for i in 0..self.vision.depth() {
+            let prep = prep.clone();
+            stages.push(Stage::new(trainable(self.vision.stage_linears(i)), move |x: &Tensor| {
+                self.vision.block(i, x, &prep, Some(ctx))
+            }));
+        }
+        let ids = ids.clone();
+        stages.push(Stage::new(trainable(self.vision.stage_linears(self.vision.depth())), move |x: &Tensor| {
+            let feats = self.vision.merge(x, &prep, Some(ctx))?;
+            self.embed(&ids, Some(&feats))
+        }));
+        Ok(x0)
     }
 
     /// Puts `adapter` under `name` into the model state and every targeted linear's slot.

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use askgui_model::TrainExample;
 use candle_core::{DType, Device, Tensor};
 
 /// The fixture format these tests read; bump together with scripts/fixtures/make_fixtures.py.
@@ -57,4 +58,35 @@ pub fn to_u32(t: &Tensor) -> Vec<u32> {
 pub fn grids(t: &Tensor) -> Vec<[usize; 3]> {
     let v: Vec<i64> = t.to_dtype(DType::I64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     v.chunks(3).map(|c| [c[0] as usize, c[1] as usize, c[2] as usize]).collect()
+}
+
+/// The right-padded PEFT batch of `lora/grad/batch.safetensors` as our examples: two sequences of
+/// different lengths with three images (the first sequence has two), unpadded. `vision_start` is the
+/// model's `<|vision_start|>` id, which counts each sequence's images.
+pub fn peft_batch(want: &HashMap<String, Tensor>, vision_start: u32) -> Vec<TrainExample> {
+    let ids: Vec<u32> = to_u32(get(want, "input_ids"));
+    let keep: Vec<u32> = to_u32(get(want, "attention_mask"));
+    let sup = to_u32(get(want, "labels_mask"));
+    let (b, t) = get(want, "input_ids").dims2().unwrap();
+    let mut grid_rows = grids(get(want, "image_grid_thw")).into_iter();
+    let pv = get(want, "pixel_values");
+    let (mut batch, mut row) = (vec![], 0);
+    for s in 0..b {
+        let r = s * t..(s + 1) * t;
+        let seq: Vec<u32> =
+            ids[r.clone()].iter().zip(&keep[r.clone()]).filter(|(_, &k)| k == 1).map(|(&i, _)| i).collect();
+        let n_images = seq.iter().filter(|&&i| i == vision_start).count();
+        let grid_thw: Vec<[usize; 3]> = grid_rows.by_ref().take(n_images).collect();
+        let rows: usize = grid_thw.iter().map(|g| g.iter().product::<usize>()).sum();
+        batch.push(TrainExample {
+            labels_mask: sup[r][..seq.len()].iter().map(|&m| m != 0).collect(),
+            ids: seq,
+            pixel_values: Some(pv.narrow(0, row, rows).unwrap()),
+            grid_thw,
+            region_targets: vec![],
+        });
+        row += rows;
+    }
+    assert_eq!(row, pv.dim(0).unwrap(), "every image row belongs to a sequence; {REGENERATE}");
+    batch
 }
