@@ -234,6 +234,12 @@ pub struct OptimArgs {
     /// Micro-batches per optimiser step.
     #[arg(long, default_value_t = 8)]
     pub grad_accum: usize,
+    /// Pack each step's `batch-size x grad-accum` sequences back to back into micro-batches of up to
+    /// `--max-seq-len` tokens (first-fit decreasing) instead of right-padding `--batch-size` of them: no
+    /// padding is computed, and the step's loss and gradient stay those of the same sequences.
+    #[arg(long, default_value_t = false)]
+    #[serde(default)]
+    pub packing: bool,
     /// Passes over the training data.
     #[arg(long, default_value_t = 1)]
     pub epochs: usize,

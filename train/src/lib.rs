@@ -7,7 +7,8 @@
 //! plain Hugging Face checkpoint), [`convert_adapter`] (an adapter's keys rewritten for another stack),
 //! [`adapter_card`] (`askgui.json`, the prompt and image settings beside each adapter), [`plot`]
 //! (curves.svg), [`bpe`] (a small tokenizer learned from a corpus), [`init`] (random models),
-//! [`agent_eval`] (the agent metrics and sample prediction of the periodic eval, through askgui-eval) and
+//! [`agent_eval`] (the agent metrics and sample prediction of the periodic eval, through askgui-eval), [`pack`]
+//! (`--packing`: a step's sequences grouped into padding-free packs) and
 //! [`trainer`] (the loop). The model's training path (LoRA `Var`s, loss and gradients) is askgui-model's;
 //! prompts are askgui-data's, the same code that serve and eval use, so a model is trained on exactly the
 //! prompts it will be asked.
@@ -28,6 +29,7 @@ pub mod interrupt;
 pub mod lock;
 pub mod merge;
 pub mod optim;
+pub mod pack;
 pub mod plot;
 pub mod snapshot;
 pub mod trainer;

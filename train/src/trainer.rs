@@ -29,6 +29,7 @@ use crate::config::{Mode, ModelArgs, RunControl, TrainConfig};
 use crate::data::{self, DataOptions, DataStats, Dataset, PreparedSample};
 use crate::error::{io, Result, TrainError};
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
+use crate::pack;
 use crate::snapshot::{self, TrainerState};
 
 /// The adapter's name inside the model.
@@ -48,6 +49,8 @@ pub struct StepLog {
     pub sequences: usize,
     pub tokens: usize,
     pub supervised_tokens: usize,
+    /// Decoder rows computed: `tokens` plus the padding (equal to `tokens` with `--packing`).
+    pub computed_tokens: usize,
     pub tokens_per_s: f64,
     pub elapsed_s: f64,
 }
@@ -396,10 +399,32 @@ fn step_options(cfg: &TrainConfig, step: usize, micro: usize) -> StepOptions {
         dropout_seed: dropout_seed(cfg.run.seed, step, micro),
         region_weight: cfg.data.region_weight,
         region_layer: cfg.data.region_layer,
+        pack: cfg.optim.packing,
     }
 }
 
-/// Forward + backward over `samples` in micro-batches of `--batch-size`, each micro-batch's loss and
+/// The micro-batches of a step: `--batch-size` sequences each in data order, or with `--packing` packs of
+/// up to `--max-seq-len` tokens ([`crate::pack`]). Returns each micro-batch's sample indices.
+fn micro_batch_plan(samples: &[&PreparedSample], cfg: &TrainConfig) -> Vec<Vec<usize>> {
+    match cfg.optim.packing {
+        true => {
+            let lens: Vec<usize> = samples.iter().map(|s| s.ids.len()).collect();
+            pack::first_fit_decreasing(&lens, cfg.data.max_seq_len)
+        }
+        false => (0..samples.len()).collect::<Vec<_>>().chunks(cfg.optim.batch_size).map(<[usize]>::to_vec).collect(),
+    }
+}
+
+/// What the micro-batches of a step computed.
+struct Accumulated {
+    /// The gradients in `opt`'s order, weighted by each micro-batch's share of the supervised tokens.
+    grads: Vec<Option<Tensor>>,
+    loss: f64,
+    /// Decoder rows computed, padding included.
+    rows: usize,
+}
+
+/// Forward + backward over `samples` in micro-batches ([`micro_batch_plan`]), each micro-batch's loss and
 /// gradients weighted by its share of the step's `supervised` tokens; returns the accumulated gradients (in
 /// `opt`'s order) and the step's loss. `step` is the number of steps done before this one.
 fn micro_batches(
@@ -410,20 +435,23 @@ fn micro_batches(
     run: &Run,
     step: usize,
     last: Option<&Path>,
-) -> Result<(Vec<Option<Tensor>>, f64)> {
-    let mut grads: Vec<Option<Tensor>> = vec![None; opt.len()];
-    let (mut loss_sum, mut counted) = (0.0, 0);
-    for (micro, chunk) in samples.chunks(run.cfg.optim.batch_size).enumerate() {
-        let batch =
-            chunk.iter().map(|s| data::example(s, &model.image_config, &run.device)).collect::<Result<Vec<_>>>()?;
+) -> Result<Accumulated> {
+    let mut acc = Accumulated { grads: vec![None; opt.len()], loss: 0.0, rows: 0 };
+    let mut counted = 0;
+    for (micro, chunk) in micro_batch_plan(samples, run.cfg).iter().enumerate() {
+        let batch = chunk
+            .iter()
+            .map(|&i| data::example(samples[i], &model.image_config, &run.device))
+            .collect::<Result<Vec<_>>>()?;
         let out = model.loss_and_grads(&batch, &step_options(run.cfg, step, micro))?;
         if !out.loss.is_finite() {
             return Err(non_finite("loss", out.loss, step + 1, Some(micro), last));
         }
         let w = out.supervised_tokens as f64 / supervised as f64;
-        loss_sum += out.loss * w;
+        acc.loss += out.loss * w;
+        acc.rows += pack::computed_rows(&batch.iter().map(|e| e.ids.len()).collect::<Vec<_>>(), run.cfg.optim.packing);
         counted += out.supervised_tokens;
-        for (slot, (_, var)) in grads.iter_mut().zip(opt.vars()) {
+        for (slot, (_, var)) in acc.grads.iter_mut().zip(opt.vars()) {
             if let Some(g) = out.grads.get(var.as_tensor()) {
                 let g = (g * w)?;
                 *slot = Some(match slot.take() {
@@ -440,7 +468,7 @@ fn micro_batches(
             step + 1
         )));
     }
-    Ok((grads, loss_sum))
+    Ok(acc)
 }
 
 /// Clips `grads` and takes the AdamW step at the schedule's learning rate; returns (gradient norm, lr).
@@ -481,7 +509,7 @@ fn train_step(
     let samples: Vec<_> = indices.iter().map(|&i| &run.train.samples[i]).collect();
     let supervised: usize = samples.iter().map(|s| s.supervised_tokens()).sum();
     let tokens: usize = samples.iter().map(|s| s.ids.len()).sum();
-    let (mut grads, loss) = micro_batches(model, opt, &samples, supervised, run, state.step, last)?;
+    let Accumulated { mut grads, loss, rows } = micro_batches(model, opt, &samples, supervised, run, state.step, last)?;
     let (grad_norm, lr) = clip_and_step(opt, &mut grads, run, state.step, last)?;
     state.step += 1;
     state.position = next;
@@ -497,6 +525,7 @@ fn train_step(
         sequences: samples.len(),
         tokens,
         supervised_tokens: supervised,
+        computed_tokens: rows,
         tokens_per_s: tokens as f64 / secs.max(1e-9),
         elapsed_s: started.elapsed().as_secs_f64(),
     })

@@ -514,3 +514,31 @@ fn checkpoints_carry_the_runs_prompt_and_image_settings() {
     assert_eq!(card["image"]["max_pixels"], 12544, "{card}");
     assert_eq!(card["prompt"]["system_prompt"], "compact", "{card}");
 }
+
+#[test]
+fn packing_trains_the_same_steps_without_computing_padding() {
+    let dir = scratch("packing");
+    let data = episodes(&dir, 2);
+    // Both runs cut samples to the same --max-seq-len, so they train on identical sequences.
+    let common = "--lr 5e-3 --warmup-steps 0 --max-steps 3 --lora-dropout 0 --save-checkpoints false --lora-rank 4 \
+                  --batch-size 4 --grad-accum 1 --max-seq-len 2600";
+    let run = |name: &str, extra: &str| {
+        let cfg = config(&data, &dir.join(name), &format!("{common} {extra}"));
+        askgui_train::train(&cfg, &none()).unwrap().steps
+    };
+    let (padded, packed) = (run("padded", ""), run("packed", "--packing"));
+    for (a, b) in padded.iter().zip(&packed) {
+        eprintln!(
+            "step {}: loss {:.7} / {:.7}, tokens {}, computed {} / {}",
+            a.step, a.loss, b.loss, a.tokens, a.computed_tokens, b.computed_tokens
+        );
+        assert_eq!((a.tokens, a.supervised_tokens), (b.tokens, b.supervised_tokens), "the same sequences");
+        // More tokens than one pack holds: the step is split into several packs.
+        assert!(b.tokens > 2600, "step {}: {} tokens fit one pack; the test needs several", b.step, b.tokens);
+        assert_eq!(b.computed_tokens, b.tokens, "a pack computes no padding");
+        assert!(a.computed_tokens > a.tokens, "the padded batch computes padding");
+        // As `accumulated_micro_batches_equal_one_batch`: equal up to f32 summation order.
+        assert!((a.loss - b.loss).abs() < 1e-5 * a.loss.abs(), "step {}: {} vs {}", a.step, a.loss, b.loss);
+    }
+    assert_eq!(packed.len(), 3);
+}
