@@ -40,6 +40,8 @@ pub enum TrainError {
         last_checkpoint: Option<PathBuf>,
     },
     #[error(transparent)]
+    Distributed(#[from] crate::distributed::DistributedError),
+    #[error(transparent)]
     Model(#[from] askgui_model::ModelError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

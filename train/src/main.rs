@@ -23,7 +23,7 @@ fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log_level())),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
@@ -56,12 +56,24 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// `info`, or `warn` on the ranks after the first of a data-parallel launch (rank 0 reports the run).
+fn default_log_level() -> &'static str {
+    match askgui_train::distributed::parse_launch(|v| std::env::var(v).ok()) {
+        Ok(l) if l.rank > 0 => "warn",
+        _ => "info",
+    }
+}
+
 /// The training run of a command line without a subcommand.
 fn train(cli: &Cli, matches: &clap::ArgMatches) -> Result<()> {
     let (cfg, mut control) = askgui_train::config::from_matches(&cli.train, matches)?;
+    // One process, or this rank of `mpirun -np N askgui-train ...`.
+    let world = askgui_train::distributed::World::from_env()?;
     askgui_train::interrupt::install();
     control.interrupted = Some(askgui_train::interrupt::requested);
-    let summary = askgui_train::train(&cfg, &control)?;
+    let summary = askgui_train::trainer::train_on(&cfg, &control, &world)?;
+    let main_rank = world.is_main();
+    world.finish();
     if summary.interrupted {
         let step = summary.steps.last().map_or(0, |s| s.step);
         let ckpt = summary.last_checkpoint.as_ref().map_or("none".into(), |p| p.display().to_string());
@@ -70,7 +82,7 @@ fn train(cli: &Cli, matches: &clap::ArgMatches) -> Result<()> {
             cfg.run.output_dir.display()
         );
     }
-    let last = summary.steps.last();
+    let last = summary.steps.last().filter(|_| main_rank);
     tracing::info!(
         steps = summary.steps.len(),
         final_loss = last.map(|s| s.loss),

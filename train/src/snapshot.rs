@@ -43,12 +43,27 @@ pub struct TrainerState {
     pub loss: f64,
     /// Tokens seen so far (all tokens of every sequence).
     pub tokens: u64,
+    /// The data-parallel ranks of the run that wrote it (1 before data parallelism existed).
+    #[serde(default = "one")]
+    pub world_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl TrainerState {
     /// A run that has not taken a step yet.
     pub fn fresh(seed: u64) -> Self {
-        Self { step: 0, total_steps: 0, position: DataPosition::default(), seed, loss: f64::NAN, tokens: 0 }
+        Self {
+            step: 0,
+            total_steps: 0,
+            position: DataPosition::default(),
+            seed,
+            loss: f64::NAN,
+            tokens: 0,
+            world_size: 1,
+        }
     }
 }
 
@@ -168,6 +183,7 @@ mod tests {
             seed: 1,
             loss: 1.5,
             tokens: 100,
+            world_size: 2,
         };
         let name = dir_name(3);
         // A temporary that a killed run left behind goes away with the next write of that name.

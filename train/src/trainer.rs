@@ -27,6 +27,8 @@ use serde::Serialize;
 use crate::agent_eval::{self, AgentMetrics, SamplePrediction};
 use crate::config::{Mode, ModelArgs, RunControl, TrainConfig};
 use crate::data::{self, DataOptions, DataStats, Dataset, PreparedSample};
+use crate::data_parallel;
+use crate::distributed::World;
 use crate::error::{io, Result, TrainError};
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
 use crate::pack;
@@ -256,12 +258,14 @@ struct Run<'a> {
     eval_mode: EvalMode,
     prompt: PromptConfig,
     schedule: Schedule,
+    /// Sequences an optimiser step takes over all ranks: `--batch-size` x `--grad-accum` x ranks.
+    sequences_per_step: usize,
 }
 
 impl<'a> Run<'a> {
     /// Loads the training and validation data with `model`'s tokenizer and image processor, and derives
-    /// the schedule from the training set's size.
-    fn load(cfg: &'a TrainConfig, device: Device, model: &Qwen2Vl) -> Result<Self> {
+    /// the schedule from the training set's size and the number of data-parallel `ranks`.
+    fn load(cfg: &'a TrainConfig, device: Device, model: &Qwen2Vl, ranks: usize) -> Result<Self> {
         let tokenizer = model.tokenizer()?;
         let ic = model.image_config.clone();
         let opts = data_options(cfg, &ic);
@@ -282,11 +286,11 @@ impl<'a> Run<'a> {
         let eval_mode = agent_eval::mode_for(cfg.data.task_mode);
         let o = &cfg.optim;
         let n = train.samples.len();
-        let total =
-            if o.max_steps > 0 { o.max_steps } else { o.epochs * data::steps_per_epoch(n, cfg.sequences_per_step()) };
+        let sequences_per_step = cfg.sequences_per_step() * ranks;
+        let total = if o.max_steps > 0 { o.max_steps } else { o.epochs * data::steps_per_epoch(n, sequences_per_step) };
         let warmup = o.warmup_steps.unwrap_or((o.warmup_ratio * total as f64).ceil() as usize);
         let schedule = Schedule { peak: o.lr, warmup, total, min_ratio: o.min_lr_ratio };
-        Ok(Self { cfg, device, train, val, val_episodes, eval_mode, prompt: opts.prompt, schedule })
+        Ok(Self { cfg, device, train, val, val_episodes, eval_mode, prompt: opts.prompt, schedule, sequences_per_step })
     }
 
     /// Logs the run's shape, and warns when a resumed snapshot was written by a run of another length or seed.
@@ -303,7 +307,7 @@ impl<'a> Run<'a> {
         }
         tracing::info!(
             samples = self.train.samples.len(),
-            sequences_per_step = cfg.sequences_per_step(),
+            sequences_per_step = self.sequences_per_step,
             total_steps,
             warmup = self.schedule.warmup,
             trainable_tensors,
@@ -425,20 +429,24 @@ struct Accumulated {
 }
 
 /// Forward + backward over `samples` in micro-batches ([`micro_batch_plan`]), each micro-batch's loss and
-/// gradients weighted by its share of the step's `supervised` tokens; returns the accumulated gradients (in
-/// `opt`'s order) and the step's loss. `step` is the number of steps done before this one.
+/// gradients weighted by its share of the step's `supervised` tokens (over all ranks); returns the
+/// accumulated gradients (in `opt`'s order) and this rank's share of the step's loss. `step` is the number
+/// of steps done before this one; `first` is the index of `samples[0]` in the step (it numbers the
+/// micro-batches' dropout seeds across ranks).
+#[allow(clippy::too_many_arguments)]
 fn micro_batches(
     model: &Qwen2Vl,
     opt: &AdamW,
     samples: &[&PreparedSample],
     supervised: usize,
     run: &Run,
-    step: usize,
+    (step, first): (usize, usize),
     last: Option<&Path>,
 ) -> Result<Accumulated> {
     let mut acc = Accumulated { grads: vec![None; opt.len()], loss: 0.0, rows: 0 };
     let mut counted = 0;
     for (micro, chunk) in micro_batch_plan(samples, run.cfg).iter().enumerate() {
+        let micro = first + micro;
         let batch = chunk
             .iter()
             .map(|&i| data::example(samples[i], &model.image_config, &run.device))
@@ -461,10 +469,11 @@ fn micro_batches(
             }
         }
     }
-    if counted != supervised {
+    let marked: usize = samples.iter().map(|s| s.supervised_tokens()).sum();
+    if counted != marked {
         // The weights above would not sum to 1: the loader's mask and the model's disagree.
         return Err(TrainError::Data(format!(
-            "step {}: the model supervised {counted} tokens where the data marks {supervised}",
+            "step {}: the model supervised {counted} tokens where the data marks {marked}",
             step + 1
         )));
     }
@@ -493,23 +502,30 @@ fn clip_and_step(
     Ok((grad_norm, lr))
 }
 
-/// One optimiser step from `state`: the samples of its data position, micro-batches, clip and step.
-/// Advances `state` and returns the step's log; `last` is the last good snapshot, which errors name.
+/// One optimiser step from `state`: the samples of its data position, this rank's shard of them in
+/// micro-batches, the sums over the ranks ([`data_parallel`]), clip and step. Advances `state` and returns
+/// the step's log (of the whole step, on every rank); `last` is the last good snapshot, which errors name.
 fn train_step(
     model: &Qwen2Vl,
     opt: &mut AdamW,
     state: &mut TrainerState,
-    run: &Run,
+    (run, world): (&Run, &World),
     last: Option<&Path>,
     started: Instant,
 ) -> Result<StepLog> {
     let t0 = Instant::now();
     let n = run.train.samples.len();
-    let (indices, next) = data::step_samples(n, run.cfg.sequences_per_step(), run.cfg.run.seed, state.position);
+    let (indices, next) = data::step_samples(n, run.sequences_per_step, run.cfg.run.seed, state.position);
     let samples: Vec<_> = indices.iter().map(|&i| &run.train.samples[i]).collect();
     let supervised: usize = samples.iter().map(|s| s.supervised_tokens()).sum();
     let tokens: usize = samples.iter().map(|s| s.ids.len()).sum();
-    let Accumulated { mut grads, loss, rows } = micro_batches(model, opt, &samples, supervised, run, state.step, last)?;
+    let mine = data_parallel::shard(samples.len(), world.rank(), world.size());
+    let (first, mine) = (mine.start, &samples[mine]);
+    let acc = micro_batches(model, opt, mine, supervised, run, (state.step, first), last)?;
+    let Accumulated { mut grads, loss, rows } = acc;
+    let mut sums = [loss, rows as f64];
+    data_parallel::all_reduce(world, &mut grads, &opt.vars().map(|(_, v)| v.clone()).collect::<Vec<_>>(), &mut sums)?;
+    let [loss, rows] = sums;
     let (grad_norm, lr) = clip_and_step(opt, &mut grads, run, state.step, last)?;
     state.step += 1;
     state.position = next;
@@ -525,7 +541,7 @@ fn train_step(
         sequences: samples.len(),
         tokens,
         supervised_tokens: supervised,
-        computed_tokens: rows,
+        computed_tokens: rows as usize,
         tokens_per_s: tokens as f64 / secs.max(1e-9),
         elapsed_s: started.elapsed().as_secs_f64(),
     })
@@ -626,21 +642,35 @@ fn save_snapshot(
     Ok(dir)
 }
 
-/// Runs (or, with `control.resume`, continues) the training that `cfg` describes.
+/// Runs (or, with `control.resume`, continues) the training that `cfg` describes, in this one process.
 pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
+    train_on(cfg, control, &World::single())
+}
+
+/// [`train`] as rank `world.rank()` of a data-parallel run: every rank loads the model and data, takes its
+/// shard of each step and the same optimiser step; rank 0 alone holds the output folder's lock and
+/// writes the logs, metrics, progress, evals and checkpoints. A checkpoint records its world size, and a
+/// resume with another is refused (the data order and the batch depend on it).
+pub fn train_on(cfg: &TrainConfig, control: &RunControl, world: &World) -> Result<TrainSummary> {
     cfg.validate()?;
-    let _lock = crate::lock::Lock::acquire(&cfg.run.output_dir)?;
-    tracing::info!("resolved config:\n{}", cfg.to_toml());
+    let main = world.is_main();
+    let _lock = main.then(|| crate::lock::Lock::acquire(&cfg.run.output_dir)).transpose()?;
+    if main {
+        tracing::info!("resolved config:\n{}", cfg.to_toml());
+    }
     let (device, dtype) = pick_device(&cfg.model)?;
     let mut model = load_model(cfg, &device, dtype)?;
-    let run = Run::load(cfg, device, &model)?;
+    let run = Run::load(cfg, device, &model, world.size())?;
 
     // Adapter and optimiser, fresh or from the snapshot.
     let ckpt = control.resume.as_deref().map(snapshot::find).transpose()?;
     let (mut opt, state) = adapter_and_optimiser(&mut model, cfg, ckpt.as_deref())?;
-    run.log_start(ckpt.as_ref().map(|_| &state), opt.len(), state.step);
+    check_resume(ckpt.as_deref(), &state, world)?;
+    if main {
+        run.log_start(ckpt.as_ref().map(|_| &state), opt.len(), state.step);
+    }
     let total_steps = run.schedule.total;
-    let mut logs = open_output(cfg, ckpt.is_some(), state.step, total_steps)?;
+    let mut logs = main.then(|| open_output(cfg, ckpt.is_some(), state.step, total_steps)).transpose()?;
 
     let mut summary = TrainSummary {
         steps: vec![],
@@ -654,7 +684,7 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
         stopped_early: false,
         interrupted: false,
     };
-    let mut state = TrainerState { total_steps, seed: cfg.run.seed, ..state };
+    let mut state = TrainerState { total_steps, seed: cfg.run.seed, world_size: world.size(), ..state };
     let started = Instant::now();
     let mut saved_at = ckpt.as_ref().map(|_| state.step);
 
@@ -663,29 +693,54 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
             summary.stopped_early = true;
             break;
         }
-        if control.interrupted.is_some_and(|f| f()) {
+        // Every rank stops after the same step when any of them was interrupted.
+        if data_parallel::any(world, control.interrupted.is_some_and(|f| f()))? {
             tracing::warn!(step = state.step, "interrupted: stopping after this step with a checkpoint");
             (summary.stopped_early, summary.interrupted) = (true, true);
             break;
         }
-        let log = train_step(&model, &mut opt, &mut state, &run, summary.last_checkpoint.as_deref(), started)?;
-        logs.step(&log)?;
+        let log = train_step(&model, &mut opt, &mut state, (&run, world), summary.last_checkpoint.as_deref(), started)?;
         summary.steps.push(log);
-
-        // Periodic eval and snapshot.
+        // Rank 0 alone logs, evaluates and saves.
+        let Some(logs) = logs.as_mut() else { continue };
+        logs.step(summary.steps.last().expect("pushed"))?;
         let last = state.step == total_steps;
         if let Some(val) = run.val.as_ref().filter(|_| due(cfg.run.eval_every, state.step, last)) {
-            model = periodic_eval(model, val, &run, state.step, &mut logs, &mut summary)?;
+            model = periodic_eval(model, val, &run, state.step, logs, &mut summary)?;
         }
         if cfg.run.save_checkpoints && due(cfg.run.save_every, state.step, last) {
             summary.last_checkpoint = Some(save_snapshot(&model, &opt, &state, cfg, &logs.bar)?);
             saved_at = Some(state.step);
         }
     }
+    let Some(logs) = logs else { return Ok(summary) };
     if summary.stopped_early && cfg.run.save_checkpoints && saved_at != Some(state.step) {
         summary.last_checkpoint = Some(save_snapshot(&model, &opt, &state, cfg, &logs.bar)?);
     }
     draw_curves(&cfg.run.output_dir)?;
     logs.bar.finish_and_clear();
     Ok(summary)
+}
+
+/// Refuses a resume from a snapshot of another world size, or ranks that resumed at different steps.
+fn check_resume(ckpt: Option<&Path>, state: &TrainerState, world: &World) -> Result<()> {
+    if let Some(dir) = ckpt.filter(|_| state.world_size != world.size()) {
+        return Err(TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            reason: format!(
+                "it was written by a run of {} rank(s) and this run has {}; resume with the same number of ranks \
+                 (the data order and the step's batch depend on it)",
+                state.world_size,
+                world.size()
+            ),
+        });
+    }
+    if !world.all_equal_u64(state.step as u64)? {
+        return Err(TrainError::Config(format!(
+            "rank {} resumed at step {} but another rank did not: every rank must read the same --resume folder",
+            world.rank(),
+            state.step
+        )));
+    }
+    Ok(())
 }
