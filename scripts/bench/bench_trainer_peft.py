@@ -9,7 +9,8 @@ set (transformers shifts them), PEFT LoRA r / alpha / dropout 0 on the same targ
 vision tower's too), torch AdamW at a constant --lr with clipping at --max-grad-norm. The model is float32.
 
 The first step is a warm-up and is not timed. Throughput is over the timed steps: real (unpadded) tokens
-and sequences divided by their summed wall time. Peak RSS is the process's ru_maxrss (model load included,
+and sequences, and supervised tokens, divided by their summed wall time; the padding fraction is the share of
+computed (padded) rows that are padding. Peak RSS is the process's ru_maxrss (model load included,
 as /usr/bin/time reports for askgui-train). At step 1 both adapters are zero (B = 0), so the first loss is
 the base model's on identical inputs and must equal askgui-train's: printed as a check that the two sides
 ran the same data through the same model.
@@ -116,12 +117,13 @@ def main() -> None:
     model = get_peft_model(base, lora)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr)
+    # weight_decay 0 as askgui-train's default (torch's AdamW defaults to 0.01).
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     processor = Qwen2VLImageProcessor(min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     batches = load_batches(args.batches)
     log(f"{len(batches)} steps; {sum(p.numel() for p in params)} trainable parameters")
 
-    losses, times, tokens, sequences = [], [], [], []
+    losses, times, tokens, sequences, supervised, rows = [], [], [], [], [], []
     for k, samples in enumerate(batches):
         t0 = time.perf_counter()
         inputs = model_inputs(samples, cfg, processor)
@@ -135,6 +137,9 @@ def main() -> None:
         times.append(dt)
         tokens.append(sum(len(s["ids"]) for s in samples))
         sequences.append(len(samples))
+        # Supervised tokens as transformers counts them: labels set past the first position.
+        supervised.append(sum(sum(s["labels_mask"][1:]) for s in samples))
+        rows.append(inputs["input_ids"].numel())
         log(f"step {k + 1}: loss {losses[-1]:.6f} in {dt:.3f} s")
     timed = slice(1, None)
     secs = sum(times[timed])
@@ -146,7 +151,9 @@ def main() -> None:
         steps=len(batches),
         timed_steps=len(times) - 1,
         tokens_per_s=sum(tokens[timed]) / secs,
+        supervised_tokens_per_s=sum(supervised[timed]) / secs,
         samples_per_s=sum(sequences[timed]) / secs,
+        padding_fraction=1 - sum(tokens[timed]) / sum(rows[timed]),
         step_s=times,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         first_loss=losses[0],
