@@ -433,7 +433,6 @@ struct Accumulated {
 /// accumulated gradients (in `opt`'s order) and this rank's share of the step's loss. `step` is the number
 /// of steps done before this one; `first` is the index of `samples[0]` in the step (it numbers the
 /// micro-batches' dropout seeds across ranks).
-#[allow(clippy::too_many_arguments)]
 fn micro_batches(
     model: &Qwen2Vl,
     opt: &AdamW,
