@@ -38,6 +38,7 @@
 //! Tests: `cargo test -p askgui-kernels --test grad_attention -- --nocapture`; on a GPU
 //! `cargo test -p askgui-kernels --features cuda --test cuda attention -- --nocapture`.
 
+use super::exp::exp_f32;
 use super::gemm::{matmul, View};
 use super::{contiguous_slice, f32_slice, Float};
 use crate::attention::AttentionMask;
@@ -228,12 +229,8 @@ fn softmax_span<T: WithDType>(row: &mut [T], a: usize, b: usize) -> f64 {
     row[b..].fill(T::zero());
     let seen = &mut row[a..b];
     let m = seen.iter().map(|s| s.to_f64()).fold(f64::NEG_INFINITY, f64::max);
-    let mut l = 0f64;
-    for s in seen.iter_mut() {
-        let e = exp::<T>(s.to_f64() - m);
-        l += e;
-        *s = T::from_f64(e);
-    }
+    exp_shifted(seen, m);
+    let l: f64 = seen.iter().map(|s| s.to_f64()).sum();
     for s in seen.iter_mut() {
         *s = T::from_f64(s.to_f64() / l);
     }
@@ -305,6 +302,15 @@ fn backward<T: WithDType>(qod: &[T], k: &[T], v: &[T], lse: Option<&[f64]>, dims
 /// them when `lse` is `-inf`: no visible key, no gradient).
 fn probabilities_row<T: WithDType>(row: &mut [T], spec: &Spec, dims: &Dims, b: usize, i: usize, lo: usize, lse: f64) {
     let (rlo, rhi) = spec.key_range(dims, i);
+    if spec.keep.is_none() && lse > f64::NEG_INFINITY {
+        // The row sees exactly the columns a..b: one pass over them, zeros around.
+        let (a, b) = (rlo.saturating_sub(lo).min(row.len()), rhi.saturating_sub(lo).min(row.len()));
+        let (a, b) = (a.min(b), b);
+        row[..a].fill(T::zero());
+        row[b..].fill(T::zero());
+        exp_shifted(&mut row[a..b], lse);
+        return;
+    }
     for (c, s) in row.iter_mut().enumerate() {
         let j = lo + c;
         let seen = lse > f64::NEG_INFINITY && j >= rlo && j < rhi && spec.visible(dims, b, j);
@@ -312,13 +318,22 @@ fn probabilities_row<T: WithDType>(row: &mut [T], spec: &Spec, dims: &Dims, b: u
     }
 }
 
-/// `e^x` at the precision of `T`: f32 scores take `expf` (within an ulp of f32, and several times faster
-/// than the f64 `exp` that dominated the forward's profile); f64 keeps f64.
+/// `e^x` at the precision of `T`: f32 scores take [`exp_f32`] (within an ulp; the f64 `exp` dominated the
+/// forward's profile, and `expf` per score still took a tenth of a training step); f64 keeps f64.
 #[inline]
 fn exp<T: WithDType>(x: f64) -> f64 {
     match T::DTYPE {
-        DType::F32 => (x as f32).exp() as f64,
+        DType::F32 => exp_f32(x as f32) as f64,
         _ => x.exp(),
+    }
+}
+
+/// `xs[i] = e^(xs[i] - shift)` at the precision of `T`, in one pass that vectorises for f32.
+fn exp_shifted<T: WithDType>(xs: &mut [T], shift: f64) {
+    match T::DTYPE {
+        // One map over the slice: branch-free, so it vectorises once `T` is f32.
+        DType::F32 => xs.iter_mut().for_each(|x| *x = T::from_f64(exp_f32((x.to_f64() - shift) as f32) as f64)),
+        _ => xs.iter_mut().for_each(|x| *x = T::from_f64((x.to_f64() - shift).exp())),
     }
 }
 

@@ -23,6 +23,7 @@
 
 pub mod attention;
 pub mod cross_entropy;
+pub mod exp;
 mod gemm;
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
