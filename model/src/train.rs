@@ -112,6 +112,11 @@ enum Head {
     Logits,
 }
 
+impl Head {
+    /// The next-token loss alone.
+    const PLAIN_LOSS: Head = Head::Loss { region_weight: 0.0, region_layer: 1 };
+}
+
 /// A batch's sequences as decoder rows `(B, T)`: right-padded to the longest (`B` sequences), or packed
 /// back to back into one row (`B == 1`, `T` = the sum of their lengths: no padding at all). Every flat
 /// `(B T)` row is indexed by its sequence's start plus its position, so the two layouts share one loop.
@@ -414,7 +419,7 @@ impl Qwen2Vl {
     /// in it for gradients of base weights).
     pub fn loss(&self, batch: &[TrainExample], dropout_seed: u64) -> Result<Tensor> {
         let ctx = self.train_ctx(dropout_seed)?;
-        let chain = self.train_chain(batch, &ctx, false, Head::Loss { region_weight: 0.0, region_layer: 1 })?;
+        let chain = self.train_chain(batch, &ctx, false, Head::PLAIN_LOSS)?;
         recompute::graph(&chain.x0, &chain.stages)
     }
 
@@ -422,7 +427,7 @@ impl Qwen2Vl {
     /// outlives a stage. Dropout is off. Returns the mean loss and the number of supervised tokens.
     pub fn eval_loss(&self, batch: &[TrainExample]) -> Result<(f64, usize)> {
         let ctx = TrainCtx::new(0.0, 0, self.kernels())?;
-        let chain = self.train_chain(batch, &ctx, false, Head::Loss { region_weight: 0.0, region_layer: 1 })?;
+        let chain = self.train_chain(batch, &ctx, false, Head::PLAIN_LOSS)?;
         let loss = recompute::forward_loss(&chain.x0, &chain.stages)?;
         Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, chain.supervised))
     }
