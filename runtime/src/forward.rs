@@ -36,7 +36,8 @@ impl<'m> Solo<'m> {
 impl Forward for Solo<'_> {
     fn run(&self, mut items: Vec<Item>) -> Result<Vec<ItemOut>> {
         let mut packed = self.packed.borrow_mut();
-        let embeds = items.iter().map(|i| packed.embed(i)).collect::<Result<Vec<_>>>()?;
+        let embeds =
+            packed.embed_all(&items.iter().collect::<Vec<_>>()).embeds.into_iter().collect::<Result<Vec<_>>>()?;
         let logits = packed.forward(&embeds, &mut items.iter_mut().collect::<Vec<_>>())?;
         Ok(items.into_iter().zip(logits).map(|(i, logits)| ItemOut { cache: i.cache, logits }).collect())
     }

@@ -2,8 +2,12 @@
 //! then run as one packed forward, each over its own KV cache.
 //!
 //! Key choice: every item's new rows go back to back in one pass ([`Qwen2Vl::decode_packed`]), so a
-//! prefill and a decode step of different sequences share one forward. Vision-tower outputs are cached
-//! by (content hash, adapter), so the same screenshot sent again is encoded once.
+//! prefill and a decode step of different sequences share one forward. Likewise the screenshots of all
+//! the items embedded together that the cache lacks go through one vision forward (batched vision: each
+//! image attends only to itself, through the tower's per-image `cu_seqlens`). Vision-tower outputs are
+//! cached by (content hash, adapter), so the same screenshot sent again is encoded once.
+
+use std::collections::HashMap;
 
 use askgui_model::model::positions_tensor;
 use askgui_model::text::KvCache;
@@ -48,6 +52,20 @@ impl Packed {
 
     /// An item's new tokens as embeddings `(1, T, H)`, its image features spliced in.
     pub fn embed(&mut self, item: &Item) -> Result<Tensor> {
+        self.embed_all(&[item]).embeds.pop().expect("one item, one result")
+    }
+
+    /// Every item's embeddings ([`Self::embed`]), with the images the feature cache lacks encoded
+    /// together first: one vision forward per [`MAX_VISION_PATCHES`] patches. An item that cannot be
+    /// embedded fails alone; if a batched vision forward fails, its images are encoded one by one, so
+    /// that the error reaches only the items that hold the bad image.
+    pub fn embed_all(&mut self, items: &[&Item]) -> Embedded {
+        let (fresh, images_encoded) = self.encode_missing(items);
+        let embeds = items.iter().map(|item| self.embed_with(item, &fresh)).collect();
+        Embedded { embeds, images_encoded }
+    }
+
+    fn embed_with(&mut self, item: &Item, fresh: &HashMap<u64, Tensor>) -> Result<Tensor> {
         if item.ids.is_empty() || item.ids.len() != item.positions.len() || item.logits_rows > item.ids.len() {
             return Err(RuntimeError::Internal(format!(
                 "a forward item with {} tokens, {} positions and {} logit rows",
@@ -56,9 +74,59 @@ impl Packed {
                 item.logits_rows
             )));
         }
-        let feats = self.image_features(&item.images)?;
+        let feats = self.image_features(&item.images, fresh)?;
         let ids = Tensor::from_slice(&item.ids, (1, item.ids.len()), &self.model.device)?;
         Ok(self.model.embed(&ids, feats.as_ref())?)
+    }
+
+    /// Encodes the distinct images of `items` that the cache lacks, batched by patch count, into the
+    /// cache and the returned map (which outlives a cache that clears itself when full). A failing batch
+    /// is left out of the map; returns how many images were encoded.
+    fn encode_missing(&mut self, items: &[&Item]) -> (HashMap<u64, Tensor>, usize) {
+        let adapter = self.model.active_adapter().map(String::from);
+        let mut missing: Vec<&PreparedImage> = Vec::new();
+        for img in items.iter().flat_map(|i| &i.images) {
+            let cached = self.features.get(&(img.0, adapter.clone())).is_some();
+            if !cached && !missing.iter().any(|m| m.0 == img.0) {
+                missing.push(img);
+            }
+        }
+        let mut fresh = HashMap::new();
+        let mut encoded = 0;
+        for batch in patch_batches(&missing, MAX_VISION_PATCHES) {
+            match self.encode(batch) {
+                Ok(features) => {
+                    encoded += batch.len();
+                    for ((hash, _), f) in batch.iter().zip(features) {
+                        let bytes = f.elem_count() * f.dtype().size_in_bytes();
+                        self.features.insert((*hash, adapter.clone()), f.clone(), bytes);
+                        fresh.insert(*hash, f);
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, images = batch.len(), "batched vision failed; one at a time"),
+            }
+        }
+        (fresh, encoded)
+    }
+
+    /// One vision forward over `images`; their features `(tokens_i, H)`, in order.
+    fn encode(&self, images: &[&PreparedImage]) -> Result<Vec<Tensor>> {
+        let pixels = images
+            .iter()
+            .map(|(_, img)| img.pixel_tensor(&self.model.device))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let grids: Vec<[usize; 3]> = images.iter().map(|(_, img)| img.grid_thw).collect();
+        // (sum P_i, patch_dim) -> (sum P_i / merge^2, H), image after image
+        let all = self.model.image_features(&Tensor::cat(&pixels, 0)?, &grids)?;
+        let merge = self.model.cfg.vision.spatial_merge_size;
+        let mut start = 0;
+        let mut out = Vec::with_capacity(images.len());
+        for (_, img) in images {
+            let n = img.num_tokens(merge);
+            out.push(all.narrow(0, start, n)?);
+            start += n;
+        }
+        Ok(out)
     }
 
     /// The packed forward: every item's new rows (`embeds[i]`, from [`Self::embed`]) back to back, each
@@ -88,21 +156,20 @@ impl Packed {
         Ok(wanted.iter().map(|&n| logits.by_ref().take(n).collect()).collect())
     }
 
-    /// The vision tower's output for the images, in order, each cached by (hash, active adapter). Each
-    /// image attends only to itself, so encoding them one by one equals encoding them together.
-    fn image_features(&mut self, images: &[PreparedImage]) -> Result<Option<Tensor>> {
+    /// The vision tower's output for the images, in order: from `fresh` (this call's batch), the cache,
+    /// or encoded alone now (cached by hash and active adapter).
+    fn image_features(&mut self, images: &[PreparedImage], fresh: &HashMap<u64, Tensor>) -> Result<Option<Tensor>> {
         if images.is_empty() {
             return Ok(None);
         }
         let adapter = self.model.active_adapter().map(String::from);
         let mut parts = Vec::with_capacity(images.len());
-        for (hash, img) in images {
-            let key = (*hash, adapter.clone());
-            let f = match self.features.get(&key) {
+        for image in images {
+            let key = (image.0, adapter.clone());
+            let f = match fresh.get(&image.0).cloned().or_else(|| self.features.get(&key)) {
                 Some(f) => f,
                 None => {
-                    let pv = img.pixel_tensor(&self.model.device)?;
-                    let f = self.model.image_features(&pv, &[img.grid_thw])?;
+                    let f = self.encode(&[image])?.pop().expect("one image, one output");
                     self.features.insert(key, f.clone(), f.elem_count() * f.dtype().size_in_bytes());
                     f
                 }
@@ -110,5 +177,60 @@ impl Packed {
             parts.push(f);
         }
         Ok(Some(Tensor::cat(&parts, 0)?))
+    }
+}
+
+/// Most patches in one batched vision forward, which bounds its activation memory: about six phone
+/// screenshots at the default pixel budget (5,088 patches each).
+pub const MAX_VISION_PATCHES: usize = 32_768;
+
+/// Consecutive groups of `images` of at most `max_patches` patches each (an image larger than that
+/// alone).
+fn patch_batches<'a, 'b>(images: &'a [&'b PreparedImage], max_patches: usize) -> Vec<&'a [&'b PreparedImage]> {
+    let mut out = Vec::new();
+    let (mut start, mut patches) = (0, 0);
+    for (i, (_, img)) in images.iter().enumerate() {
+        let n = img.grid_thw.iter().product::<usize>();
+        if i > start && patches + n > max_patches {
+            out.push(&images[start..i]);
+            (start, patches) = (i, 0);
+        }
+        patches += n;
+    }
+    if start < images.len() {
+        out.push(&images[start..]);
+    }
+    out
+}
+
+/// What [`Packed::embed_all`] gives: each item's embeddings or error, in order, and how many images
+/// the vision tower encoded for them (the vision batch size; cached images are not counted).
+pub struct Embedded {
+    pub embeds: Vec<Result<Tensor>>,
+    pub images_encoded: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use askgui_model::ProcessedImage;
+
+    use super::*;
+
+    fn image(hash: u64, patches: usize) -> PreparedImage {
+        let img =
+            ProcessedImage { pixel_values: vec![], grid_thw: [1, 2, patches / 2], original: (0, 0), resized: (0, 0) };
+        (hash, Arc::new(img))
+    }
+
+    #[test]
+    fn batches_keep_order_and_the_patch_bound() {
+        let images: Vec<PreparedImage> = [(1, 8), (2, 8), (3, 16), (4, 40), (5, 4)].map(|(h, p)| image(h, p)).into();
+        let refs: Vec<&PreparedImage> = images.iter().collect();
+        let hashes: Vec<Vec<u64>> = patch_batches(&refs, 20).iter().map(|b| b.iter().map(|i| i.0).collect()).collect();
+        // 8+8 fit, 16 starts a batch, 40 is alone (over the bound), 4 starts the last.
+        assert_eq!(hashes, vec![vec![1, 2], vec![3], vec![4], vec![5]]);
+        assert!(patch_batches(&[], 20).is_empty());
     }
 }

@@ -158,6 +158,8 @@ pub trait Intake {
     fn take(&mut self, max: usize) -> Vec<Job>;
     /// Records one forward pass (or one batch) over `sequences` jobs.
     fn record_batch(&mut self, sequences: usize);
+    /// Records one batched vision forward over `images` screenshots.
+    fn record_vision_batch(&mut self, images: usize);
     /// The most jobs a backend may run at once (`--max-batch`).
     fn max_batch(&self) -> usize;
 }
@@ -170,6 +172,7 @@ impl Intake for NoIntake {
         Vec::new()
     }
     fn record_batch(&mut self, _: usize) {}
+    fn record_vision_batch(&mut self, _: usize) {}
     fn max_batch(&self) -> usize {
         usize::MAX
     }

@@ -10,7 +10,8 @@
 //! The counting that makes this safe: `live` jobs have been started and not finished; `engaged` ones
 //! have asked for model work at least once and not finished. The owner runs a round when every engaged
 //! job has a request in, so a job busy with its own CPU work between two forwards (sampling) is waited
-//! for, while a job still decoding its screenshot is not. A [`Client`] leaves both counts when dropped,
+//! for, while a job still decoding its screenshot is waited for only a moment (the round's wait), so that
+//! jobs arriving together share their first forward. A [`Client`] leaves both counts when dropped,
 //! panics included, so the owner can never wait for a job that is gone.
 
 use std::cell::Cell;
@@ -73,14 +74,17 @@ impl Batcher {
         self.lock().live
     }
 
-    /// Waits (at most `wait`) until every engaged job has a request in; see [`Round`].
+    /// Waits (at most `wait`) until every live job has a request in, then runs what is in if every
+    /// engaged job has one; see [`Round`]. Waiting that long for jobs still preparing their first request
+    /// lets jobs that arrive together share their first forward, and so their vision forward.
     pub fn next_round(&self, wait: Duration) -> Round {
         let mut st = self.lock();
+        let all_in = |st: &State| st.tickets.len() >= st.live;
         let ready = |st: &State| !st.tickets.is_empty() && st.tickets.len() >= st.engaged;
-        if !ready(&st) && st.live > 0 {
+        if !all_in(&st) {
             st = self
                 .changed
-                .wait_timeout_while(st, wait, |st| !ready(st) && st.live > 0)
+                .wait_timeout_while(st, wait, |st| !all_in(st))
                 .map(|r| r.0)
                 .unwrap_or_else(|p| p.into_inner().0);
         }

@@ -265,6 +265,10 @@ impl Intake for Queue<'_> {
         self.shared.metrics.observe_batch(sequences);
     }
 
+    fn record_vision_batch(&mut self, images: usize) {
+        self.shared.metrics.observe_vision_batch(images);
+    }
+
     fn max_batch(&self) -> usize {
         self.max_batch
     }

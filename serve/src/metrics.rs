@@ -63,6 +63,7 @@ struct Requests {
 pub struct Metrics {
     requests: Mutex<Requests>,
     batches: Mutex<Histogram>,
+    vision_batches: Mutex<Histogram>,
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
     cancelled: AtomicU64,
@@ -74,6 +75,7 @@ impl Default for Metrics {
         Self {
             requests: Mutex::default(),
             batches: Mutex::new(Histogram::new(&BATCH_BUCKETS)),
+            vision_batches: Mutex::new(Histogram::new(&BATCH_BUCKETS)),
             prompt_tokens: AtomicU64::new(0),
             completion_tokens: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
@@ -107,6 +109,11 @@ impl Metrics {
 
     pub fn observe_batch(&self, size: usize) {
         self.batches.lock().unwrap_or_else(|p| p.into_inner()).observe(size as f64);
+    }
+
+    /// One batched vision forward's screenshots (cached screenshots are not encoded, so not counted).
+    pub fn observe_vision_batch(&self, images: usize) {
+        self.vision_batches.lock().unwrap_or_else(|p| p.into_inner()).observe(images as f64);
     }
 
     pub fn tokens(&self, prompt: usize, completion: usize) {
@@ -150,6 +157,9 @@ impl Metrics {
         out.push_str("# HELP askgui_batch_size Jobs per backend batch.\n");
         out.push_str("# TYPE askgui_batch_size histogram\n");
         self.batches.lock().unwrap_or_else(|p| p.into_inner()).write(&mut out, "askgui_batch_size", "");
+        out.push_str("# HELP askgui_vision_batch_size Screenshots encoded per packed forward (cache misses).\n");
+        out.push_str("# TYPE askgui_vision_batch_size histogram\n");
+        self.vision_batches.lock().unwrap_or_else(|p| p.into_inner()).write(&mut out, "askgui_vision_batch_size", "");
         out.push_str("# HELP askgui_tokens_total Tokens processed: prompt (images included) and completion.\n");
         out.push_str("# TYPE askgui_tokens_total counter\n");
         let _ = writeln!(out, "askgui_tokens_total{{kind=\"prompt\"}} {}", self.prompt_tokens.load(Ordering::Relaxed));
@@ -182,6 +192,8 @@ mod tests {
         m.observe_request("/v1/agent/step", 200, Duration::from_millis(3));
         m.observe_request("/a\"b", 404, Duration::from_secs(1000));
         m.observe_batch(3);
+        m.observe_vision_batch(2);
+        m.observe_vision_batch(5);
         m.tokens(10, 2);
         let text = m.render(Gauges { queue_depth: 2, live_sessions: 5 });
         assert!(text.contains("askgui_requests_total{route=\"/v1/agent/step\",status=\"200\"} 2\n"), "{text}");
@@ -191,6 +203,9 @@ mod tests {
         assert!(text.contains("askgui_request_duration_seconds_bucket{route=\"/a\\\"b\",le=\"120\"} 0\n"), "{text}");
         assert!(text.contains("askgui_request_duration_seconds_bucket{route=\"/a\\\"b\",le=\"+Inf\"} 1\n"));
         assert!(text.contains("askgui_batch_size_bucket{le=\"4\"} 1\n") && text.contains("askgui_batch_size_sum 3\n"));
+        assert!(text.contains("askgui_vision_batch_size_bucket{le=\"2\"} 1\n"), "{text}");
+        assert!(text.contains("askgui_vision_batch_size_bucket{le=\"8\"} 2\n"), "{text}");
+        assert!(text.contains("askgui_vision_batch_size_sum 7\n"), "{text}");
         assert!(text.contains("askgui_queue_depth 2\n") && text.contains("askgui_live_sessions 5\n"));
         assert!(text.contains("askgui_tokens_total{kind=\"prompt\"} 10\n"));
         assert!(text.contains("askgui_tokens_total{kind=\"completion\"} 2\n"));

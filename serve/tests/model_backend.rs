@@ -194,6 +194,7 @@ fn adapters_are_chosen_per_job() -> anyhow::Result<()> {
 struct Recorder {
     later: Vec<Job>,
     batches: Vec<usize>,
+    vision: Vec<usize>,
 }
 
 impl Intake for Recorder {
@@ -203,6 +204,9 @@ impl Intake for Recorder {
     }
     fn record_batch(&mut self, sequences: usize) {
         self.batches.push(sequences);
+    }
+    fn record_vision_batch(&mut self, images: usize) {
+        self.vision.push(images);
     }
     fn max_batch(&self) -> usize {
         16
@@ -244,7 +248,7 @@ fn packed_jobs_answer_what_they_answer_alone() -> anyhow::Result<()> {
     }
     let (mut first, rxs): (Vec<Job>, Vec<_>) = jobs().into_iter().unzip();
     let later = first.split_off(8);
-    let mut intake = Recorder { later, batches: vec![] };
+    let mut intake = Recorder { later, batches: vec![], vision: vec![] };
     b.run_continuous(first, &mut intake);
     for (i, rx) in rxs.into_iter().enumerate() {
         let r = step_of(rx.blocking_recv()?);
@@ -255,6 +259,44 @@ fn packed_jobs_answer_what_they_answer_alone() -> anyhow::Result<()> {
     let most = intake.batches.iter().max().copied().unwrap_or(0);
     eprintln!("{} forwards, most sequences in one: {most}", intake.batches.len());
     assert!(most >= 8, "forwards should pack the live jobs together: {:?}", intake.batches);
+    Ok(())
+}
+
+/// Batched vision: six jobs started together, each with its own screenshot, share vision forwards and
+/// answer what each answers alone (tolerance as above: batching changes GEMM row counts only).
+#[test]
+fn screenshots_of_jobs_started_together_are_encoded_together() -> anyhow::Result<()> {
+    let mut b = backend(false)?.with_prefix_cache(0);
+    let sizes = [(200, 150), (160, 120), (240, 180), (120, 200), (280, 140), (200, 200)];
+    let jobs = || {
+        sizes
+            .iter()
+            .map(|&(w, h)| {
+                let opts = StepOptions { max_tokens: Some(16), ..Default::default() };
+                let job = StepJob { screenshot: Some(screenshot(w, h)), ..step_job("Call mum", opts) };
+                Job::new(JobKind::Step(job), None)
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut alone = Vec::new();
+    for (job, rx) in jobs() {
+        let mut b = backend(false)?.with_prefix_cache(0);
+        Backend::run(&mut b, vec![job]);
+        alone.push(step_of(rx.blocking_recv()?));
+    }
+    let (first, rxs): (Vec<Job>, Vec<_>) = jobs().into_iter().unzip();
+    let mut intake = Recorder { later: vec![], batches: vec![], vision: vec![] };
+    b.run_continuous(first, &mut intake);
+    for (i, rx) in rxs.into_iter().enumerate() {
+        let r = step_of(rx.blocking_recv()?);
+        let (p, q) = (r.ask_probability.unwrap(), alone[i].ask_probability.unwrap());
+        assert!((p - q).abs() <= 1e-5, "job {i}: ask_probability {p} batched vs {q} alone");
+        assert_eq!(r.raw, alone[i].raw, "job {i}: the same answer");
+    }
+    // How many screenshots share a vision forward depends on when the job threads hand in their first
+    // request (the owner waits a moment for them); each screenshot is encoded exactly once either way.
+    eprintln!("screenshots per vision forward: {:?}", intake.vision);
+    assert_eq!(intake.vision.iter().sum::<usize>(), 6, "each screenshot encoded once: {:?}", intake.vision);
     Ok(())
 }
 

@@ -75,9 +75,16 @@ impl Runner {
     /// One packed forward over every item of `tickets`; each ticket gets its answers or the error. A
     /// ticket whose input cannot be embedded fails alone; a failing (or panicking) forward fails the pack.
     fn pack(&mut self, tickets: Vec<Ticket>, intake: &mut dyn Intake) {
+        // Every ticket's items embedded together: the screenshots the cache lacks in one vision forward.
+        let all: Vec<&Item> = tickets.iter().flat_map(|t| &t.items).collect();
+        let embedded = self.packed.embed_all(&all);
+        if embedded.images_encoded > 0 {
+            intake.record_vision_batch(embedded.images_encoded);
+        }
+        let mut results = embedded.embeds.into_iter();
         let (mut ready, mut embeds) = (Vec::with_capacity(tickets.len()), Vec::new());
         for t in tickets {
-            match t.items.iter().map(|it| self.packed.embed(it)).collect::<Result<Vec<_>, _>>() {
+            match results.by_ref().take(t.items.len()).collect::<Result<Vec<_>, _>>() {
                 Ok(e) => {
                     embeds.extend(e);
                     ready.push(t);
