@@ -5,7 +5,8 @@
 //! returns `None` for `w`, so `w` never enters the `GradStore`; `dx = grad @ w` is all that is computed.
 //! The CPU forward is one call to the `gemm` crate (the multithreaded, SIMD GEMM candle's own CPU matmul
 //! uses); its twin is [`frozen_linear_reference`], candle's matmul, which the tests compare against.
-//! bf16 on the CPU (where candle 0.11 has no bf16 matmul): widened to f32, the f32 GEMM, `y` rounded once;
+//! bf16 on the CPU (where candle 0.11 has no bf16 matmul): `x` widened to f32, `w` read in f32 panels
+//! ([`super::narrow`]), f32 accumulation, `y` rounded once;
 //! the CPU backward's `grad @ w` is the same GEMM (`FrozenLinearGrad`), with no weight copy.
 //! CUDA (feature `cuda`): candle's own cuBLAS GEMM on the storages (`BackendStorage::matmul` with `w` read
 //! transposed through its strides, no copy), f32 or bf16; the backward is candle's matmul, on the GPU too.
@@ -13,7 +14,7 @@
 //! --features cuda --test cuda -- norm_rope_ce::frozen_linear`.
 
 use super::gemm::{matmul, View};
-use super::{contiguous_slice, f32_slice, Float};
+use super::{contiguous_slice, f32_slice, narrow, Float};
 #[cfg(feature = "cuda")]
 use candle_core::{backend::BackendStorage, CudaStorage};
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, WithDType, D};
@@ -55,6 +56,12 @@ impl CustomOp2 for FrozenLinear {
             Float::F64 => {
                 let (x, w) = (contiguous_slice::<f64>(s1, l1, name, "x")?, contiguous_slice(s2, l2, name, "w")?);
                 f64::to_cpu_storage_owned(linear_fwd(x, w, d_in))
+            }
+            // A bf16 weight is read panel by panel ([`super::narrow`]), never widened whole.
+            Float::F32(out) if matches!(s2, CpuStorage::BF16(_)) => {
+                let (x, w) = (f32_slice(s1, l1, name, "x")?, contiguous_slice(s2, l2, name, "w")?);
+                let (n, d_out) = (x.len() / d_in, l2.shape().dims()[0]);
+                out.store(narrow::linear(&x, narrow::Narrow::Bf16(w), n, d_in, d_out))
             }
             Float::F32(out) => {
                 let (x, w) = (f32_slice(s1, l1, name, "x")?, f32_slice(s2, l2, name, "w")?);

@@ -11,6 +11,7 @@
 //!
 //! - [`norm`]: [`rms_norm`] / [`rms_norm_frozen`], [`layer_norm`] / [`layer_norm_frozen`].
 //! - [`linear`]: [`frozen_linear`] (`x w^T`, gradient for `x` only).
+//! - [`narrow`]: bf16 and int8 frozen weights read panel by panel ([`int8_linear`], inference only).
 //! - [`cross_entropy`]: [`cross_entropy_masked`] (mean NLL over supervised positions).
 //! - [`attention`](mod@attention): [`attention()`](fn@attention) (streaming FlashAttention-2 softmax, GQA, masks).
 //! - [`rope`](mod@rope): [`rope()`] (rotate-half RoPE, M-RoPE and vision tables; gradient for `x` only).
@@ -28,12 +29,14 @@ mod gemm;
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub mod linear;
+pub mod narrow;
 pub mod norm;
 pub mod rope;
 
 pub use attention::attention;
 pub use cross_entropy::{cross_entropy_masked, cross_entropy_masked_reference};
 pub use linear::{frozen_linear, frozen_linear_reference};
+pub use narrow::{dequantize_int8, int8_linear, narrow_linear_reference, quantize_int8};
 pub use norm::{layer_norm, layer_norm_frozen, rms_norm, rms_norm_frozen};
 pub use rope::rope;
 
