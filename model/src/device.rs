@@ -67,6 +67,18 @@ pub enum DTypeChoice {
     Bf16,
 }
 
+/// Weight-only quantisation of the linear layers (serve's `--quantize`).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Quantize {
+    /// The weights in `--dtype`.
+    #[default]
+    None,
+    /// Every linear of the vision tower and the decoder in int8 with one f32 scale per output row (a
+    /// quarter of f32's bytes), f32 accumulation; embeddings, norms and `lm_head` stay in `--dtype`. CPU only.
+    Int8,
+}
+
 /// Which implementation of the model's ops runs (transformers' `attn_implementation`, for every op).
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]

@@ -20,8 +20,11 @@ use crate::weights::Weights;
 pub struct Linear {
     /// Hub-layout checkpoint name without `.weight`, e.g. `model.layers.0.self_attn.q_proj`.
     pub name: String,
+    /// `W (out, in)`; with [`Self::scales`], int8 as `q + 128` (u8).
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    /// The per-row scales of an int8 weight ([`Self::quantize_int8`]); `None` for a float weight.
+    pub scales: Option<Tensor>,
     /// LoRA adapters loaded for this layer (empty for the base model).
     pub lora: LoraSlot,
 }
@@ -31,6 +34,7 @@ impl Linear {
         Ok(Self {
             name: name.to_string(),
             lora: LoraSlot::default(),
+            scales: None,
             weight: w.get(&format!("{name}.weight"), &[out_dim, in_dim])?,
             bias: if bias { Some(w.get(&format!("{name}.bias"), &[out_dim])?) } else { None },
         })
@@ -38,7 +42,10 @@ impl Linear {
 
     /// `x (..., in) -> (..., out)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = matmul_t(x, &self.weight)?;
+        let y = match &self.scales {
+            Some(scales) => ops::int8_linear(x, &self.weight, scales)?,
+            None => matmul_t(x, &self.weight)?,
+        };
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -47,6 +54,18 @@ impl Linear {
             Some(d) => y + d.forward(x)?,
             None => Ok(y),
         }
+    }
+}
+
+impl Linear {
+    /// Replaces the weight by its int8 weight-only quantisation (per output row, [`ops::quantize_int8`]):
+    /// a quarter of f32's bytes. Inference only; the bias and LoRA deltas stay as they are.
+    pub fn quantize_int8(&mut self) -> Result<()> {
+        if self.scales.is_none() {
+            let (q, scales) = ops::quantize_int8(&self.weight)?;
+            (self.weight, self.scales) = (q, Some(scales));
+        }
+        Ok(())
     }
 }
 

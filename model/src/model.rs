@@ -155,8 +155,26 @@ impl Qwen2Vl {
         out
     }
 
+    /// Quantises every linear of the vision tower and the decoder to int8 weight-only (per output row,
+    /// [`crate::layers::Linear::quantize_int8`]); returns how many. CPU inference only: the training
+    /// forward refuses int8 weights.
+    pub fn quantize_int8(&mut self) -> Result<usize> {
+        if !self.device.is_cpu() {
+            return Err(ModelError::Device(format!(
+                "int8 weights run on the CPU only; the model is on {:?}: use --dtype bf16 on a GPU",
+                self.device
+            )));
+        }
+        let linears = self.linears_mut();
+        let n = linears.len();
+        for l in linears {
+            l.quantize_int8()?;
+        }
+        Ok(n)
+    }
+
     /// [`Self::linears`], mutable (same order).
-    pub(crate) fn linears_mut(&mut self) -> Vec<&mut crate::layers::Linear> {
+    pub fn linears_mut(&mut self) -> Vec<&mut crate::layers::Linear> {
         let mut out = self.vision.linears_mut();
         out.extend(self.text.linears_mut());
         out

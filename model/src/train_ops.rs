@@ -159,6 +159,9 @@ impl Linear {
     /// In full training `W` and `b` are `Var`s: candle's own matmul and broadcast add, whose backward
     /// gives their gradients.
     pub(crate) fn forward_train(&self, x: &Tensor, ctx: &TrainCtx) -> candle_core::Result<Tensor> {
+        if self.scales.is_some() {
+            candle_core::bail!("{}: int8 weights are for inference; train on the float checkpoint", self.name)
+        }
         // (..., in) -> (..., out)
         let y = match (ctx.full, &self.bias) {
             (true, Some(b)) => matmul_t(x, &self.weight)?.broadcast_add(b)?,

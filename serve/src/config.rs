@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use askgui_data::prompt::SystemPrompt;
-use askgui_model::{DTypeChoice, DeviceKind, KernelChoice};
+use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, Quantize};
 use clap::{Args, Parser, Subcommand};
 use serde::{Serialize, Serializer};
 
@@ -130,6 +130,10 @@ pub struct Config {
     /// Weight dtype: `auto` is bf16 on a GPU and f32 on the CPU.
     #[arg(long, env = "ASKGUI_SERVE_DTYPE", value_enum, default_value_t = DTypeChoice::Auto)]
     pub dtype: DTypeChoice,
+    /// `int8`: weight-only int8 linears (per-row scales, f32 accumulation), a quarter of f32's weight
+    /// bytes, for local CPU serving; embeddings and norms stay in --dtype. See the README for its error.
+    #[arg(long, env = "ASKGUI_SERVE_QUANTIZE", value_enum, default_value_t = Quantize::None)]
+    pub quantize: Quantize,
     /// `reference` runs plain-candle ops instead of askgui's kernels (slower; for a GPU they fail on).
     #[arg(long, env = "ASKGUI_SERVE_KERNELS", value_enum, default_value_t = KernelChoice::Askgui)]
     pub kernels: KernelChoice,

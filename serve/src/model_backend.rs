@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use askgui_data::agent_api::AgentStepResponse;
 use askgui_data::{AdapterCard, PromptConfig, PromptFlags};
-use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, Qwen2Vl};
+use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, Quantize, Qwen2Vl};
 use askgui_runtime::{apply_image_bounds, Packed, Runtime};
 
 use crate::backend::{Backend, BackendError, BackendInfo, ChatJob, ChatOutput, Intake, Job, StepJob};
@@ -44,6 +44,8 @@ pub struct ModelBackendConfig {
     pub dtype: DTypeChoice,
     /// askgui's kernels or the plain-candle references.
     pub kernels: KernelChoice,
+    /// Weight-only quantisation of the linears (CPU).
+    pub quantize: Quantize,
 }
 
 impl From<&Config> for ModelBackendConfig {
@@ -61,6 +63,7 @@ impl From<&Config> for ModelBackendConfig {
             device: cfg.device,
             dtype: cfg.dtype,
             kernels: cfg.kernels,
+            quantize: cfg.quantize,
         }
     }
 }
@@ -111,6 +114,10 @@ impl ModelBackend {
         tracing::info!("serving on {device:?} with {dtype:?} weights");
         let mut model = Qwen2Vl::load_with(&cfg.model, &device, dtype, cfg.kernels)
             .with_context(|| format!("loading the model {}", cfg.model))?;
+        if cfg.quantize == Quantize::Int8 {
+            let n = model.quantize_int8().context("--quantize int8")?;
+            tracing::info!("{n} linears quantised to int8 (weight-only, per-row scales)");
+        }
         let mut cards = Vec::new();
         let mut pauses = PauseLevels::default();
         if let Some(c) = AdapterCard::read(&model.files.dir)? {

@@ -419,3 +419,20 @@ fn a_bf16_model_serves_on_the_cpu() -> anyhow::Result<()> {
     assert!((got - want).abs() < 0.05, "bf16 {got} against f32 {want}");
     Ok(())
 }
+
+/// `--quantize int8` through the command line: the backend loads int8 linears and answers close to f32
+/// (the model test `int8.rs` bounds the logits; here the served `ask_probability`, within 0.05 as bf16's).
+#[test]
+fn an_int8_model_serves_on_the_cpu() -> anyhow::Result<()> {
+    let job = step_job("Open the settings and turn on dark mode", StepOptions::default());
+    let want = backend(false)?.step(&job, NEVER)?.ask_probability.expect("ask_probability");
+    let tiny = checkpoint();
+    let argv = ["askgui-serve", "--model", tiny.to_str().unwrap(), "--device", "cpu", "--quantize", "int8"];
+    let cli = <askgui_serve::config::Cli as clap::Parser>::try_parse_from(argv)?;
+    let cfg = askgui_serve::model_backend::ModelBackendConfig::from(&cli.serve);
+    let r = ModelBackend::load(&cfg)?.step(&job, NEVER)?;
+    let got = r.ask_probability.expect("ask_probability");
+    eprintln!("ask_probability f32 {want:.5}, int8 {got:.5}; int8 action {:?}", r.action);
+    assert!((got - want).abs() < 0.05, "int8 {got} against f32 {want}");
+    Ok(())
+}
