@@ -32,14 +32,19 @@ impl DeviceKind {
 
     /// [`Self::pick`] with the weight dtype `dtype` instead of the device's default where it names one.
     pub fn pick_with(self, dtype: DTypeChoice) -> Result<(Device, DType)> {
+        self.pick_on(dtype, 0)
+    }
+
+    /// [`Self::pick_with`] on the CUDA GPU `ordinal` (a data-parallel rank's own GPU) instead of the first.
+    pub fn pick_on(self, dtype: DTypeChoice, ordinal: usize) -> Result<(Device, DType)> {
         let device = match self {
             DeviceKind::Cpu => Device::Cpu,
-            DeviceKind::Cuda => Device::new_cuda(0).map_err(|e| {
+            DeviceKind::Cuda => Device::new_cuda(ordinal).map_err(|e| {
                 ModelError::Device(format!(
-                    "cuda: {e} (use a binary built with `--features cuda`, on a machine with an NVIDIA GPU)"
+                    "cuda:{ordinal}: {e} (use a binary built with `--features cuda`, on a machine with an NVIDIA GPU)"
                 ))
             })?,
-            DeviceKind::Auto => match Device::cuda_if_available(0) {
+            DeviceKind::Auto => match Device::cuda_if_available(ordinal) {
                 Ok(d) => d,
                 Err(e) => {
                     tracing::warn!("no usable CUDA device ({e}); running on the CPU");

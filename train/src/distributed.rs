@@ -2,9 +2,11 @@
 //! collectives the trainer needs (gradient all-reduce, barrier, agreement checks).
 //!
 //! The key choice: on CPU the transport is MPI (the `mpi` crate, rsmpi), behind the cargo feature `mpi`,
-//! so a plain build needs no MPI at all and `mpirun -np N askgui-train ...` runs N ranks. The launcher is
-//! read from the environment (OpenMPI's `OMPI_COMM_WORLD_*`, MPICH/PMI's `PMI_*`, torchrun's
-//! `WORLD_SIZE`/`RANK`); a single process, or a build without the feature, uses the identity backend.
+//! so a plain build needs no MPI at all and `mpirun -np N askgui-train ...` runs N ranks. On GPUs it is
+//! NCCL ([`crate::nccl`], feature `nccl`), set up by [`World::connect`] once the trainer has its device:
+//! rank 0's NCCL id reaches the others over MPI under `mpirun`, or over [`crate::rendezvous`] at
+//! `MASTER_ADDR` under torchrun. The launcher is read from the environment (OpenMPI's `OMPI_COMM_WORLD_*`,
+//! MPICH/PMI's `PMI_*`, torchrun's `WORLD_SIZE`/`RANK`); a single process uses the identity backend.
 //! MPI is initialised FUNNELED (rayon threads compute, only the thread that made the [`World`] calls MPI),
 //! which is why [`World`] is neither `Send` nor `Sync`. Every rank ends with [`World::finish`] (which
 //! finalises MPI); a World dropped without it (an error, a panic) calls `MPI_Abort`, because finalising
@@ -32,10 +34,19 @@ pub enum DistributedError {
     NoMpiFeature { size: usize, launcher: &'static str },
     #[error(
         "WORLD_SIZE={size} (a torchrun/Slurm-style launch) has no transport on CPU: launch CPU runs with \
-         `mpirun -np {size} askgui-train ...` on a build with `--features mpi` (WORLD_SIZE/RANK/MASTER_ADDR are \
-         for the GPU path)"
+         `mpirun -np {size} askgui-train ...` on a build with `--features mpi`; torchrun-style launches are for \
+         GPUs, on a build with `--features nccl` and `--device cuda`"
     )]
     TorchrunOnCpu { size: usize },
+    #[error(
+        "a data-parallel run of {size} ranks on a CUDA GPU needs NCCL: rebuild askgui-train with \
+         `--features nccl` (add `mpi` for mpirun launches), or train on the CPU with `--device cpu`"
+    )]
+    NoNcclFeature { size: usize },
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
+    #[error("NCCL: {0}")]
+    Nccl(String),
     #[error("MPI was already initialised (or finalised) in this process: create one World per process, once")]
     AlreadyInitialised,
     #[error(
@@ -64,8 +75,9 @@ pub enum Launcher {
     OpenMpi,
     /// MPICH's `mpiexec` or Slurm's `srun --mpi=pmi2` (`PMI_SIZE`, `PMI_RANK`).
     Pmi,
-    /// torchrun or a Slurm script in its style (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`).
-    Torchrun { master_addr: String, master_port: u16 },
+    /// torchrun or a Slurm script in its style (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`);
+    /// `agent_store` when torchrun's agent serves its store on `MASTER_PORT` (`TORCHELASTIC_USE_AGENT_STORE`).
+    Torchrun { master_addr: String, master_port: u16, agent_store: bool },
 }
 
 impl Launcher {
@@ -194,7 +206,8 @@ fn parse_torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<Launch> {
             reason: format!("not a TCP port ({e})"),
         })?,
     };
-    Ok(Launch { launcher: Launcher::Torchrun { master_addr, master_port }, rank, size, local_rank })
+    let agent_store = get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    Ok(Launch { launcher: Launcher::Torchrun { master_addr, master_port, agent_store }, rank, size, local_rank })
 }
 
 /// The MPI state of a multi-process run; `universe` is `None` once [`World::finish`] has finalised MPI.
@@ -227,6 +240,10 @@ enum Backend {
     Single,
     #[cfg(feature = "mpi")]
     Mpi(Mpi),
+    /// A torchrun-style launch: no transport until [`World::connect`] sets up NCCL on a GPU (where the
+    /// rendezvous address is read).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    Torchrun { master_addr: String, port: u16 },
 }
 
 /// This process in a data-parallel run: its rank, the number of ranks, and the transport between them.
@@ -235,6 +252,9 @@ pub struct World {
     size: usize,
     local_rank: usize,
     backend: Backend,
+    /// The GPU transport, once [`World::connect`] has set it up; it then carries every collective.
+    #[cfg(feature = "nccl")]
+    nccl: std::cell::OnceCell<crate::nccl::Nccl>,
     /// Not `Send`/`Sync`: MPI was initialised FUNNELED, so only the thread that made the World may call it.
     _funneled: PhantomData<*const ()>,
 }
@@ -242,9 +262,11 @@ pub struct World {
 impl std::fmt::Debug for World {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let backend = match self.backend {
+            _ if self.has_nccl() => "nccl",
             Backend::Single => "single",
             #[cfg(feature = "mpi")]
             Backend::Mpi(_) => "mpi",
+            Backend::Torchrun { .. } => "torchrun (not connected)",
         };
         f.debug_struct("World")
             .field("rank", &self.rank)
@@ -258,7 +280,19 @@ impl std::fmt::Debug for World {
 impl World {
     /// One process, no transport (what a plain run uses).
     pub fn single() -> World {
-        World { rank: 0, size: 1, local_rank: 0, backend: Backend::Single, _funneled: PhantomData }
+        World::new(0, 1, 0, Backend::Single)
+    }
+
+    fn new(rank: usize, size: usize, local_rank: usize, backend: Backend) -> World {
+        World {
+            rank,
+            size,
+            local_rank,
+            backend,
+            #[cfg(feature = "nccl")]
+            nccl: std::cell::OnceCell::new(),
+            _funneled: PhantomData,
+        }
     }
 
     /// This process as its launcher started it: one process without launcher variables (or a launch of
@@ -275,17 +309,17 @@ impl World {
         if launch.size == 1 || launch.launcher == Launcher::Single {
             return Ok(World::single());
         }
-        let backend = match launch.launcher {
-            Launcher::Torchrun { .. } => return Err(DistributedError::TorchrunOnCpu { size: launch.size }),
+        let backend = match &launch.launcher {
+            Launcher::Torchrun { .. } if !cfg!(feature = "nccl") => {
+                return Err(DistributedError::TorchrunOnCpu { size: launch.size })
+            }
+            Launcher::Torchrun { master_addr, master_port, agent_store } => Backend::Torchrun {
+                master_addr: master_addr.clone(),
+                port: crate::rendezvous::port_for(*master_port, *agent_store)?,
+            },
             _ => init_mpi(&launch)?,
         };
-        let world = World {
-            rank: launch.rank,
-            size: launch.size,
-            local_rank: launch.local_rank,
-            backend,
-            _funneled: PhantomData,
-        };
+        let world = World::new(launch.rank, launch.size, launch.local_rank, backend);
         // mpirun pins ranks to cores, which bounds rayon's threads: worth seeing in the log.
         let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
         tracing::info!(
@@ -316,22 +350,21 @@ impl World {
     }
 
     /// Sums `buf` element-wise over all ranks, in place; every rank must call it with the same length.
-    /// `Result` for the transports to come (MPI itself aborts the job on a communication error).
-    #[cfg_attr(not(feature = "mpi"), allow(unused_variables))] // one process: the sum is `buf` itself
     pub fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<()> {
-        match &self.backend {
-            Backend::Single => Ok(()),
-            #[cfg(feature = "mpi")]
-            Backend::Mpi(mpi) => {
-                mpi.all_reduce_sum(buf);
-                Ok(())
-            }
-        }
+        self.all_reduce_sum(buf)
     }
 
     /// [`World::all_reduce_sum_f32`] for f64 buffers (loss sums, token counts).
-    #[cfg_attr(not(feature = "mpi"), allow(unused_variables))] // one process: the sum is `buf` itself
     pub fn all_reduce_sum_f64(&self, buf: &mut [f64]) -> Result<()> {
+        self.all_reduce_sum(buf)
+    }
+
+    #[cfg_attr(not(feature = "mpi"), allow(unused_variables))] // one process: the sum is `buf` itself
+    fn all_reduce_sum<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = self.nccl.get() {
+            return nccl.all_reduce_sum(buf);
+        }
         match &self.backend {
             Backend::Single => Ok(()),
             #[cfg(feature = "mpi")]
@@ -339,20 +372,33 @@ impl World {
                 mpi.all_reduce_sum(buf);
                 Ok(())
             }
+            Backend::Torchrun { .. } => Err(DistributedError::TorchrunOnCpu { size: self.size }),
         }
     }
 
     /// Waits until every rank has called it.
-    pub fn barrier(&self) {
+    pub fn barrier(&self) -> Result<()> {
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = self.nccl.get() {
+            return nccl.barrier();
+        }
         match &self.backend {
-            Backend::Single => {}
+            Backend::Single => Ok(()),
             #[cfg(feature = "mpi")]
-            Backend::Mpi(mpi) => mpi::traits::CommunicatorCollectives::barrier(&mpi.world),
+            Backend::Mpi(mpi) => {
+                mpi::traits::CommunicatorCollectives::barrier(&mpi.world);
+                Ok(())
+            }
+            Backend::Torchrun { .. } => Err(DistributedError::TorchrunOnCpu { size: self.size }),
         }
     }
 
     /// Every rank's `x`, in rank order.
     pub fn all_gather_u64(&self, x: u64) -> Result<Vec<u64>> {
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = self.nccl.get() {
+            return nccl.all_gather_u64(x, self.size);
+        }
         match &self.backend {
             Backend::Single => Ok(vec![x]),
             #[cfg(feature = "mpi")]
@@ -361,14 +407,101 @@ impl World {
                 mpi::traits::CommunicatorCollectives::all_gather_into(&mpi.world, &x, &mut all[..]);
                 Ok(all)
             }
+            Backend::Torchrun { .. } => Err(DistributedError::TorchrunOnCpu { size: self.size }),
         }
+    }
+
+    /// The GPU this rank should train on: its local rank, or 0 when the launcher shows each rank a single
+    /// GPU. 0 for one process and for builds without NCCL.
+    pub fn gpu_ordinal(&self) -> Result<usize> {
+        #[cfg(feature = "nccl")]
+        if self.size > 1 {
+            return crate::nccl::device_ordinal(self.local_rank);
+        }
+        Ok(0)
+    }
+
+    /// Sets up the transport for the trainer's `device`, on every rank, before the first collective. On the
+    /// CPU that is the MPI of the launch (a torchrun-style launch has none: an error). On a CUDA GPU it is
+    /// NCCL: rank 0 makes the unique id, which reaches the others over MPI or the rendezvous, and every
+    /// collective then runs through NCCL.
+    pub fn connect(&self, device: &candle_core::Device) -> Result<()> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        if !device.is_cuda() {
+            return match self.backend {
+                Backend::Torchrun { .. } => Err(DistributedError::TorchrunOnCpu { size: self.size }),
+                _ => Ok(()),
+            };
+        }
+        self.connect_nccl(device)
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    fn connect_nccl(&self, _device: &candle_core::Device) -> Result<()> {
+        Err(DistributedError::NoNcclFeature { size: self.size })
+    }
+
+    #[cfg(feature = "nccl")]
+    fn connect_nccl(&self, device: &candle_core::Device) -> Result<()> {
+        let stream = match device {
+            candle_core::Device::Cuda(d) => d.cuda_stream(),
+            _ => unreachable!("connect_nccl is called for CUDA devices"),
+        };
+        let id = self.share_nccl_id()?;
+        let nccl = crate::nccl::Nccl::connect(stream, self.rank, self.size, id)?;
+        if self.nccl.set(nccl).is_err() {
+            return Err(DistributedError::Nccl("World::connect was called twice".into()));
+        }
+        tracing::info!(rank = self.rank, size = self.size, ?device, "NCCL communicator ready");
+        Ok(())
+    }
+
+    /// Rank 0's fresh NCCL id, on every rank.
+    #[cfg(feature = "nccl")]
+    fn share_nccl_id(&self) -> Result<[u8; crate::nccl::ID_BYTES]> {
+        use crate::rendezvous;
+        const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+        let mut id = if self.rank == 0 { crate::nccl::new_id()? } else { [0; crate::nccl::ID_BYTES] };
+        match &self.backend {
+            Backend::Single => {}
+            #[cfg(feature = "mpi")]
+            Backend::Mpi(mpi) => {
+                use mpi::traits::{Communicator, Root};
+                mpi.world.process_at_rank(0).broadcast_into(&mut id[..]);
+            }
+            Backend::Torchrun { port, .. } if self.rank == 0 => rendezvous::serve(*port, self.size, &id, TIMEOUT)?,
+            Backend::Torchrun { master_addr, port } => {
+                let bytes = rendezvous::fetch(master_addr, *port, self.rank, self.size, TIMEOUT)?;
+                id = bytes.try_into().map_err(|b: Vec<u8>| {
+                    DistributedError::Rendezvous(format!("rank 0 sent {} bytes, not an NCCL id", b.len()))
+                })?;
+            }
+        }
+        Ok(id)
+    }
+
+    fn has_nccl(&self) -> bool {
+        #[cfg(feature = "nccl")]
+        let set = self.nccl.get().is_some();
+        #[cfg(not(feature = "nccl"))]
+        let set = false;
+        set
     }
 
     /// The clean end of a run, on every rank: finalises MPI (which waits for all ranks). A World dropped
     /// without it, on an error or panic path, aborts every rank instead, so that none waits forever.
+    /// A torchrun launch has no such abort: its agent ends the other ranks when one exits with an error.
     pub fn finish(mut self) {
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = self.nccl.take() {
+            if let Err(e) = nccl.barrier() {
+                tracing::warn!("NCCL barrier at the end of the run: {e}");
+            }
+        }
         match &mut self.backend {
-            Backend::Single => {}
+            Backend::Single | Backend::Torchrun { .. } => {}
             #[cfg(feature = "mpi")]
             Backend::Mpi(mpi) => drop(mpi.universe.take()),
         }
@@ -380,6 +513,26 @@ impl World {
         Ok(self.all_gather_u64(x)?.iter().all(|&y| y == x))
     }
 }
+
+/// What a collective's buffers hold: plain numbers that every enabled transport can sum.
+trait Element: MpiElement + NcclElement + Copy {}
+impl<T: MpiElement + NcclElement + Copy> Element for T {}
+#[cfg(feature = "mpi")]
+trait MpiElement: mpi::datatype::Equivalence {}
+#[cfg(feature = "mpi")]
+impl<T: mpi::datatype::Equivalence> MpiElement for T {}
+#[cfg(not(feature = "mpi"))]
+trait MpiElement {}
+#[cfg(not(feature = "mpi"))]
+impl<T> MpiElement for T {}
+#[cfg(feature = "nccl")]
+trait NcclElement: cudarc::nccl::NcclType + cudarc::driver::DeviceRepr {}
+#[cfg(feature = "nccl")]
+impl<T: cudarc::nccl::NcclType + cudarc::driver::DeviceRepr> NcclElement for T {}
+#[cfg(not(feature = "nccl"))]
+trait NcclElement {}
+#[cfg(not(feature = "nccl"))]
+impl<T> NcclElement for T {}
 
 /// Elements per MPI call: MPI counts are C ints, and the send copy stays at 64 MiB of f32.
 #[cfg(feature = "mpi")]
@@ -499,9 +652,11 @@ mod tests {
             ("MASTER_PORT", "29500"),
         ];
         let launch = parse(&vars).unwrap();
-        let launcher = Launcher::Torchrun { master_addr: "127.0.0.1".into(), master_port: 29500 };
+        let launcher = Launcher::Torchrun { master_addr: "127.0.0.1".into(), master_port: 29500, agent_store: false };
         assert_eq!(launch, Launch { launcher, rank: 1, size: 2, local_rank: 1 });
-        let message = World::from_launch(launch).unwrap_err().to_string();
+        // Refused at launch without NCCL, at connect with it: either way a CPU run is told to use mpirun.
+        let on_cpu = World::from_launch(launch).and_then(|w| w.connect(&candle_core::Device::Cpu).map(|_| w));
+        let message = on_cpu.unwrap_err().to_string();
         assert!(message.contains("mpirun -np 2"), "{message}");
     }
 
@@ -562,7 +717,7 @@ mod tests {
         let mut d = [3.25f64];
         world.all_reduce_sum_f64(&mut d).unwrap();
         assert_eq!(d, [3.25]);
-        world.barrier();
+        world.barrier().unwrap();
         assert_eq!(world.all_gather_u64(7).unwrap(), vec![7]);
         assert!(world.all_equal_u64(7).unwrap());
     }

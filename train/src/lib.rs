@@ -30,9 +30,12 @@ pub mod init;
 pub mod interrupt;
 pub mod lock;
 pub mod merge;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod optim;
 pub mod pack;
 pub mod plot;
+pub mod rendezvous;
 pub mod snapshot;
 pub mod trainer;
 

@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use askgui_data::{LoadedEpisode, PromptConfig};
 use askgui_eval::modes::Mode as EvalMode;
-use askgui_model::{ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions};
+use askgui_model::{DeviceKind, ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
@@ -138,8 +138,9 @@ fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device)
 /// The device and weight dtype of `--device` and `--dtype`, chosen once and logged: by default the CPU
 /// trains in f32, a CUDA GPU in bf16 (trainable adapters keep f32 masters, `askgui_model::master_dtype`).
 /// Full training stays f32: its base weights are the trained parameters.
-fn pick_device(m: &ModelArgs) -> Result<(Device, DType)> {
-    let (device, dtype) = m.device.pick_with(m.dtype)?;
+/// A rank of a data-parallel run takes its own GPU (`ordinal`, [`World::gpu_ordinal`]).
+fn pick_device(m: &ModelArgs, ordinal: usize) -> Result<(Device, DType)> {
+    let (device, dtype) = m.device.pick_on(m.dtype, ordinal)?;
     let dtype = if m.mode == Mode::Full { DType::F32 } else { dtype };
     tracing::info!("training on {device:?} with {dtype:?} weights");
     Ok((device, dtype))
@@ -657,7 +658,9 @@ pub fn train_on(cfg: &TrainConfig, control: &RunControl, world: &World) -> Resul
     if main {
         tracing::info!("resolved config:\n{}", cfg.to_toml());
     }
-    let (device, dtype) = pick_device(&cfg.model)?;
+    let ordinal = if cfg.model.device == DeviceKind::Cpu { 0 } else { world.gpu_ordinal()? };
+    let (device, dtype) = pick_device(&cfg.model, ordinal)?;
+    world.connect(&device)?;
     let mut model = load_model(cfg, &device, dtype)?;
     let run = Run::load(cfg, device, &model, world.size())?;
 

@@ -30,7 +30,7 @@ fn sums(world: &World, len: usize, dir: &str) -> Result<(), Box<dyn std::error::
     world.all_reduce_sum_f64(&mut d)?;
     let same = world.all_equal_u64(42)?;
     let differ = world.all_equal_u64(r as u64)?;
-    world.barrier();
+    world.barrier()?;
     let mut text = format!("rank {r} size {}\nequal same={same} rank={differ}\nf32", world.size());
     f.iter().for_each(|x| write!(text, " {x}").unwrap());
     text.push_str("\nf64");
