@@ -148,6 +148,10 @@ impl Packed {
         let wanted: Vec<usize> = items.iter().map(|i| i.logits_rows).collect();
         let mut caches: Vec<&mut KvCache> = items.iter_mut().map(|i| &mut i.cache).collect();
         let hidden = self.model.decode_packed(&embeds, &positions, &lens, &mut caches)?;
+        if rows.is_empty() {
+            // Only prefill chunks that need no logits yet.
+            return Ok(wanted.iter().map(|_| Vec::new()).collect());
+        }
         // (1, N, H) -> (R, H) -> (R, V)
         let idx = Tensor::from_vec(rows, wanted.iter().sum::<usize>(), &self.model.device)?;
         let picked = hidden.squeeze(0)?.index_select(&idx, 0)?;

@@ -76,11 +76,13 @@ impl Batcher {
 
     /// Waits (at most `wait`) until every live job has a request in, then runs what is in if every
     /// engaged job has one; see [`Round`]. Waiting that long for jobs still preparing their first request
-    /// lets jobs that arrive together share their first forward, and so their vision forward.
-    pub fn next_round(&self, wait: Duration) -> Round {
+    /// lets jobs that arrive together share their first forward, and so their vision forward. `held`
+    /// requests are in the owner's hands already (prefills between their chunks): they count as in, and
+    /// with some held a round runs even when no new request came.
+    pub fn next_round(&self, wait: Duration, held: usize) -> Round {
         let mut st = self.lock();
-        let all_in = |st: &State| st.tickets.len() >= st.live;
-        let ready = |st: &State| !st.tickets.is_empty() && st.tickets.len() >= st.engaged;
+        let all_in = |st: &State| st.tickets.len() + held >= st.live;
+        let ready = |st: &State| st.tickets.len() + held > 0 && st.tickets.len() + held >= st.engaged;
         if !all_in(&st) {
             st = self
                 .changed
@@ -169,7 +171,7 @@ mod tests {
             }
             let mut rounds = vec![];
             loop {
-                match b.next_round(Duration::from_millis(5)) {
+                match b.next_round(Duration::from_millis(5), 0) {
                     Round::Run(tickets) => {
                         rounds.push(tickets.len());
                         for t in tickets {
@@ -197,7 +199,7 @@ mod tests {
             panic!("boom");
         }));
         assert!(r.is_err());
-        assert!(matches!(b.next_round(Duration::from_millis(1)), Round::Done));
+        assert!(matches!(b.next_round(Duration::from_millis(1), 0), Round::Done));
     }
 
     /// A dropped ticket (the owner failed) answers an error instead of hanging the job.
@@ -208,7 +210,7 @@ mod tests {
             b.job_started();
             let h = s.spawn(|| Client::new(&b, None).run(vec![item()]));
             loop {
-                match b.next_round(Duration::from_millis(5)) {
+                match b.next_round(Duration::from_millis(5), 0) {
                     Round::Run(tickets) => drop(tickets),
                     Round::Idle => {}
                     Round::Done => break,

@@ -130,6 +130,10 @@ pub struct Config {
     /// Weight dtype: `auto` is bf16 on a GPU and f32 on the CPU.
     #[arg(long, env = "ASKGUI_SERVE_DTYPE", value_enum, default_value_t = DTypeChoice::Auto)]
     pub dtype: DTypeChoice,
+    /// Chunked prefill: a new prompt runs at most this many tokens per forward, so that the answers
+    /// being decoded beside it wait for one chunk per step, not for the whole prompt.
+    #[arg(long, env = "ASKGUI_SERVE_PREFILL_CHUNK", default_value_t = crate::model_backend::PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
     /// `int8`: weight-only int8 linears (per-row scales, f32 accumulation), a quarter of f32's weight
     /// bytes, for local CPU serving; embeddings and norms stay in --dtype. See the README for its error.
     #[arg(long, env = "ASKGUI_SERVE_QUANTIZE", value_enum, default_value_t = Quantize::None)]

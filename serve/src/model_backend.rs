@@ -25,6 +25,7 @@ pub use jobs::runtime_step;
 use jobs::Jobs;
 pub use jobs::PauseLevels;
 use runner::Runner;
+pub use runner::PREFILL_CHUNK;
 
 /// How the backend is built.
 #[derive(Debug, Clone)]
@@ -46,6 +47,8 @@ pub struct ModelBackendConfig {
     pub kernels: KernelChoice,
     /// Weight-only quantisation of the linears (CPU).
     pub quantize: Quantize,
+    /// The most new tokens of one sequence in one forward (chunked prefill).
+    pub prefill_chunk: usize,
 }
 
 impl From<&Config> for ModelBackendConfig {
@@ -64,6 +67,7 @@ impl From<&Config> for ModelBackendConfig {
             dtype: cfg.dtype,
             kernels: cfg.kernels,
             quantize: cfg.quantize,
+            prefill_chunk: cfg.prefill_chunk,
         }
     }
 }
@@ -141,7 +145,10 @@ impl ModelBackend {
         let prompt = served_prompt(&flags);
         let ic = &model.image_config;
         tracing::info!(?prompt.system_prompt, ?prompt.frame, min_pixels = ic.min_pixels, max_pixels = ic.max_pixels, "prompt settings");
-        Ok(Self::new(model, &cfg.model, prompt)?.with_pause_levels(pauses).with_prefix_cache(cfg.prefix_cache_bytes))
+        Ok(Self::new(model, &cfg.model, prompt)?
+            .with_pause_levels(pauses)
+            .with_prefix_cache(cfg.prefix_cache_bytes)
+            .with_prefill_chunk(cfg.prefill_chunk))
     }
 
     /// Wraps a loaded model (its adapters already loaded), served under `model_id` with `prompt`.
@@ -151,7 +158,7 @@ impl ModelBackend {
         adapters.sort();
         let info = BackendInfo { model: model_id.into(), adapters, context_length: runtime.context_length() };
         let jobs = Jobs { runtime, info, pauses: PauseLevels::default() };
-        Ok(Self { runner: Runner { packed: Packed::new(model) }, jobs })
+        Ok(Self { runner: Runner::new(Packed::new(model)), jobs })
     }
 
     /// Sets the calibrated pause thresholds requests default to.
@@ -169,6 +176,12 @@ impl ModelBackend {
     pub fn with_prefix_cache(self, bytes: usize) -> Self {
         let Self { runner, jobs: Jobs { runtime, info, pauses } } = self;
         Self { runner, jobs: Jobs { runtime: runtime.with_prefix_cache(bytes), info, pauses } }
+    }
+
+    /// Sets the prefill chunk: the most new tokens of one sequence in one forward (`usize::MAX`: none).
+    pub fn with_prefill_chunk(mut self, tokens: usize) -> Self {
+        self.runner.prefill_chunk = tokens.max(1);
+        self
     }
 
     /// The runtime every job answers through (its prompt settings and tokenizer).

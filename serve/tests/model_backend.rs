@@ -300,6 +300,39 @@ fn screenshots_of_jobs_started_together_are_encoded_together() -> anyhow::Result
     Ok(())
 }
 
+/// Chunked prefill: with chunks of 100 tokens, three jobs' prompts (about 900 tokens each) run over
+/// several forwards and answer what they answer in one; tolerance as above (chunking changes GEMM row
+/// counts; each chunk's queries attend to the cache of the chunks before them).
+#[test]
+fn chunked_prefill_answers_as_the_whole_prompt() -> anyhow::Result<()> {
+    let tasks = ["Call mum", "Find the cheapest flight to Oslo", "Open the settings and turn on dark mode"];
+    let run = |chunk: usize| -> anyhow::Result<(Vec<AgentStepResponse>, usize)> {
+        let mut b = backend(false)?.with_prefix_cache(0).with_prefill_chunk(chunk);
+        let (jobs, rxs): (Vec<Job>, Vec<_>) = tasks
+            .iter()
+            .map(|t| {
+                Job::new(JobKind::Step(step_job(t, StepOptions { max_tokens: Some(16), ..Default::default() })), None)
+            })
+            .unzip();
+        let mut intake = Recorder { later: vec![], batches: vec![], vision: vec![] };
+        b.run_continuous(jobs, &mut intake);
+        let answers = rxs.into_iter().map(|rx| Ok(step_of(rx.blocking_recv()?))).collect::<anyhow::Result<_>>()?;
+        Ok((answers, intake.batches.len()))
+    };
+    let (whole, whole_forwards) = run(usize::MAX)?;
+    let (chunked, chunked_forwards) = run(100)?;
+    let prompt = whole[0].usage.prompt_tokens;
+    eprintln!("{prompt}-token prompts: {whole_forwards} forwards whole, {chunked_forwards} in chunks of 100");
+    assert!(prompt > 300, "the prompts must be long enough to chunk: {prompt}");
+    for (i, (c, w)) in chunked.iter().zip(&whole).enumerate() {
+        let (p, q) = (c.ask_probability.unwrap(), w.ask_probability.unwrap());
+        assert!((p - q).abs() <= 1e-5, "job {i}: ask_probability {p} chunked vs {q} whole");
+        assert_eq!(c.raw, w.raw, "job {i}: the same answer");
+    }
+    assert!(chunked_forwards >= whole_forwards + prompt / 100 - 1, "{chunked_forwards} vs {whole_forwards}");
+    Ok(())
+}
+
 /// The prefix cache: a repeated prompt prefills one token, the step after an ask reuses the system
 /// prompt and the task (the dialogue comes before the screenshot, so the screenshot is prefilled again),
 /// another screenshot is not mistaken for the same one, and the answers equal those without the cache.

@@ -4,26 +4,67 @@
 //! each item over its own KV cache; tickets are grouped by adapter (a model-wide switch) and a pack holds
 //! at most [`MAX_PACK_TOKENS`] new tokens, run by [`Packed`] (the forward every askgui tool runs). A
 //! ticket whose input cannot be embedded fails alone; a failing or panicking forward fails its pack.
+//!
+//! Chunked prefill: a ticket of one item with more new tokens than the prefill chunk (`--prefill-chunk`,
+//! default [`PREFILL_CHUNK`]) is embedded once (its screenshots included) and then runs that many rows per
+//! forward, held here between forwards, and is answered after its last chunk. So the decode steps packed
+//! with a long new prompt wait for one chunk of it per forward, not for all of it.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
 use askgui_runtime::{Item, ItemOut, Packed, RuntimeError};
+use candle_core::Tensor;
 
 use crate::backend::{Intake, Job};
 use crate::batcher::{Batcher, Round, Ticket};
 
 /// Most new tokens in one packed forward: more requests wait for the next (bounds activation memory).
 const MAX_PACK_TOKENS: usize = 8192;
+/// Most new tokens of one sequence in one forward, by default (see the module docs).
+pub const PREFILL_CHUNK: usize = 512;
 /// How long the model's owner waits for a busy job before looking for new ones.
 const ROUND_WAIT: Duration = Duration::from_millis(2);
 
 /// The model's owner: runs packed forwards for the jobs' [`Ticket`]s.
 pub(super) struct Runner {
     pub(super) packed: Packed,
+    /// Rows of one sequence per forward.
+    pub(super) prefill_chunk: usize,
+    /// Prefills part way through their chunks.
+    held: Vec<Held>,
+}
+
+/// A chunked prefill between forwards: its ticket (whose one item keeps the cache so far), the item's
+/// embeddings `(1, T, H)`, and how many of its rows have run.
+struct Held {
+    ticket: Ticket,
+    embeds: Tensor,
+    done: usize,
+}
+
+impl Held {
+    fn len(&self) -> usize {
+        self.ticket.items[0].ids.len()
+    }
+
+    /// The next chunk's row count: at most `chunk`, and the last chunk keeps every row that needs logits.
+    fn next_rows(&self, chunk: usize) -> usize {
+        let (left, want) = (self.len() - self.done, self.ticket.items[0].logits_rows);
+        let n = chunk.max(1).min(left);
+        if n < left && left - n < want {
+            left - want
+        } else {
+            n
+        }
+    }
 }
 
 impl Runner {
+    pub(super) fn new(packed: Packed) -> Self {
+        Self { packed, prefill_chunk: PREFILL_CHUNK, held: Vec::new() }
+    }
+
     /// Runs rounds until no job is live. Between rounds, new jobs from `intake` (while fewer than its
     /// `max_batch` are live) are started with `start`; each forward's size is recorded there.
     pub(super) fn serve(&mut self, batcher: &Batcher, intake: &mut dyn Intake, start: &dyn Fn(Job)) {
@@ -32,7 +73,7 @@ impl Runner {
             if live < max {
                 intake.take(max - live).into_iter().for_each(start);
             }
-            match batcher.next_round(ROUND_WAIT) {
+            match batcher.next_round(ROUND_WAIT, self.held.len()) {
                 Round::Run(tickets) => self.round(tickets, intake),
                 Round::Idle => {}
                 Round::Done => break,
@@ -40,41 +81,62 @@ impl Runner {
         }
     }
 
-    /// One round: tickets grouped by adapter (an adapter is a model-wide switch), each group in packed
-    /// forwards of at most [`MAX_PACK_TOKENS`] new tokens.
+    /// Whether a new ticket's prefill runs in chunks.
+    fn chunked(&self, t: &Ticket) -> bool {
+        t.items.len() == 1 && t.items[0].ids.len() > self.prefill_chunk
+    }
+
+    /// One round: the new tickets and the held prefills grouped by adapter (an adapter is a model-wide
+    /// switch), each group in packed forwards of at most [`MAX_PACK_TOKENS`] new tokens.
     fn round(&mut self, tickets: Vec<Ticket>, intake: &mut dyn Intake) {
-        let mut groups: Vec<(Option<String>, Vec<Ticket>)> = Vec::new();
-        for t in tickets {
-            match groups.iter_mut().find(|(a, _)| *a == t.adapter) {
-                Some((_, g)) => g.push(t),
-                None => groups.push((t.adapter.clone(), vec![t])),
+        let mut groups: Vec<(Option<String>, Vec<Ticket>, Vec<Held>)> = Vec::new();
+        let group = |groups: &mut Vec<(Option<String>, Vec<Ticket>, Vec<Held>)>, a: &Option<String>| match groups
+            .iter()
+            .position(|(g, ..)| g == a)
+        {
+            Some(i) => i,
+            None => {
+                groups.push((a.clone(), vec![], vec![]));
+                groups.len() - 1
             }
+        };
+        for h in std::mem::take(&mut self.held) {
+            let i = group(&mut groups, &h.ticket.adapter);
+            groups[i].2.push(h);
         }
-        for (adapter, group) in groups {
+        for t in tickets {
+            let i = group(&mut groups, &t.adapter);
+            groups[i].1.push(t);
+        }
+        for (adapter, group, held) in groups {
             if let Err(e) = self.packed.model.set_active_adapter(adapter.as_deref()).map_err(RuntimeError::from) {
                 group.into_iter().for_each(|t| drop(t.reply.send(Err(e.clone()))));
+                held.into_iter().for_each(|h| drop(h.ticket.reply.send(Err(e.clone()))));
                 continue;
             }
-            let mut pack = Vec::new();
-            let mut rows = 0;
+            // The held prefills' next chunks go into the first pack.
+            let mut rows: usize = held.iter().map(|h| h.next_rows(self.prefill_chunk)).sum();
+            let (mut pack, mut held) = (Vec::new(), Some(held));
             for t in group {
-                let n: usize = t.items.iter().map(|i| i.ids.len()).sum();
-                if !pack.is_empty() && rows + n > MAX_PACK_TOKENS {
-                    self.pack(std::mem::take(&mut pack), intake);
+                let n = if self.chunked(&t) { self.prefill_chunk } else { t.items.iter().map(|i| i.ids.len()).sum() };
+                if rows > 0 && rows + n > MAX_PACK_TOKENS {
+                    self.pack(std::mem::take(&mut pack), held.take().unwrap_or_default(), intake);
                     rows = 0;
                 }
                 rows += n;
                 pack.push(t);
             }
-            if !pack.is_empty() {
-                self.pack(pack, intake);
+            let held = held.unwrap_or_default();
+            if !pack.is_empty() || !held.is_empty() {
+                self.pack(pack, held, intake);
             }
         }
     }
 
-    /// One packed forward over every item of `tickets`; each ticket gets its answers or the error. A
-    /// ticket whose input cannot be embedded fails alone; a failing (or panicking) forward fails the pack.
-    fn pack(&mut self, tickets: Vec<Ticket>, intake: &mut dyn Intake) {
+    /// One packed forward over every item of `tickets` and the next chunk of every prefill in `held`
+    /// (new chunked tickets join `held` first); each ticket gets its answers or the error. A ticket whose
+    /// input cannot be embedded fails alone; a failing (or panicking) forward fails the whole pack.
+    fn pack(&mut self, tickets: Vec<Ticket>, mut held: Vec<Held>, intake: &mut dyn Intake) {
         // Every ticket's items embedded together: the screenshots the cache lacks in one vision forward.
         let all: Vec<&Item> = tickets.iter().flat_map(|t| &t.items).collect();
         let embedded = self.packed.embed_all(&all);
@@ -85,6 +147,7 @@ impl Runner {
         let (mut ready, mut embeds) = (Vec::with_capacity(tickets.len()), Vec::new());
         for t in tickets {
             match results.by_ref().take(t.items.len()).collect::<Result<Vec<_>, _>>() {
+                Ok(mut e) if self.chunked(&t) => held.push(Held { ticket: t, embeds: e.remove(0), done: 0 }),
                 Ok(e) => {
                     embeds.extend(e);
                     ready.push(t);
@@ -92,26 +155,101 @@ impl Runner {
                 Err(e) => drop(t.reply.send(Err(e))),
             }
         }
-        if ready.is_empty() {
+        // The held prefills' next chunks, after the whole items.
+        let mut chunks = Vec::with_capacity(held.len());
+        let mut bad = None;
+        for h in &mut held {
+            let n = h.next_rows(self.prefill_chunk);
+            let last = h.done + n == h.len();
+            match h.embeds.narrow(1, h.done, n) {
+                Ok(e) => embeds.push(e),
+                Err(e) => {
+                    bad = Some(RuntimeError::from(e));
+                    break;
+                }
+            }
+            let item = &mut h.ticket.items[0];
+            chunks.push(Item {
+                ids: item.ids[h.done..h.done + n].to_vec(),
+                positions: item.positions[h.done..h.done + n].to_vec(),
+                images: vec![],
+                cache: std::mem::take(&mut item.cache),
+                logits_rows: if last { item.logits_rows } else { 0 },
+            });
+        }
+        if let Some(e) = bad {
+            return self.fail(ready, held, e);
+        }
+        if ready.is_empty() && chunks.is_empty() {
             return;
         }
-        intake.record_batch(ready.iter().map(|t| t.items.len()).sum());
+        intake.record_batch(ready.iter().map(|t| t.items.len()).sum::<usize>() + chunks.len());
         let mut items: Vec<&mut Item> = ready.iter_mut().flat_map(|t| t.items.iter_mut()).collect();
+        items.extend(chunks.iter_mut());
         let out = catch_unwind(AssertUnwindSafe(|| self.packed.forward(&embeds, &mut items))).unwrap_or_else(|p| {
             Err(RuntimeError::Internal(format!("the forward panicked: {}", crate::engine::panic_message(p.as_ref()))))
         });
-        match out {
-            Ok(mut logits) => {
-                for t in ready.into_iter().rev() {
-                    let mine = logits.split_off(logits.len() - t.items.len());
-                    let outs = t.items.into_iter().zip(mine).map(|(i, logits)| ItemOut { cache: i.cache, logits });
-                    let _ = t.reply.send(Ok(outs.collect()));
-                }
-            }
-            Err(e) => {
-                tracing::error!(error = %e, sequences = ready.len(), "a packed forward failed");
-                ready.into_iter().for_each(|t| drop(t.reply.send(Err(e.clone()))));
+        let mut logits = match out {
+            Ok(logits) => logits,
+            Err(e) => return self.fail(ready, held, e),
+        };
+        // The chunks' answers come last.
+        let chunk_logits = logits.split_off(logits.len() - chunks.len());
+        for ((mut h, chunk), l) in held.into_iter().zip(chunks).zip(chunk_logits) {
+            h.done += chunk.ids.len();
+            if h.done == h.len() {
+                let _ = h.ticket.reply.send(Ok(vec![ItemOut { cache: chunk.cache, logits: l }]));
+            } else {
+                h.ticket.items[0].cache = chunk.cache;
+                self.held.push(h);
             }
         }
+        for t in ready.into_iter().rev() {
+            let mine = logits.split_off(logits.len() - t.items.len());
+            let outs = t.items.into_iter().zip(mine).map(|(i, logits)| ItemOut { cache: i.cache, logits });
+            let _ = t.reply.send(Ok(outs.collect()));
+        }
+    }
+
+    /// A failed forward: every ticket of the pack, held prefills included, gets the error.
+    fn fail(&mut self, ready: Vec<Ticket>, held: Vec<Held>, e: RuntimeError) {
+        tracing::error!(error = %e, sequences = ready.len() + held.len(), "a packed forward failed");
+        ready.into_iter().for_each(|t| drop(t.reply.send(Err(e.clone()))));
+        held.into_iter().for_each(|h| drop(h.ticket.reply.send(Err(e.clone()))));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use askgui_model::text::KvCache;
+
+    use super::*;
+
+    fn held(len: usize, logits_rows: usize, done: usize) -> Held {
+        let item = Item {
+            ids: vec![1; len],
+            positions: vec![[0; 3]; len],
+            images: vec![],
+            cache: KvCache::default(),
+            logits_rows,
+        };
+        let ticket = Ticket { adapter: None, items: vec![item], reply: std::sync::mpsc::channel().0 };
+        Held {
+            ticket,
+            embeds: Tensor::zeros((1, len, 2), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+            done,
+        }
+    }
+
+    #[test]
+    fn chunks_cover_the_prompt_and_the_last_keeps_the_logit_rows() {
+        // 1,000 rows in chunks of 512: 512 then 488.
+        assert_eq!(held(1000, 1, 0).next_rows(512), 512);
+        assert_eq!(held(1000, 1, 512).next_rows(512), 488);
+        // 515 rows, 4 of them scored: the first chunk leaves 4 rows, not 3.
+        assert_eq!(held(515, 4, 0).next_rows(512), 511);
+        assert_eq!(held(515, 4, 511).next_rows(512), 4);
+        // A chunk of 0 still moves.
+        assert_eq!(held(3, 1, 0).next_rows(0), 1);
     }
 }
