@@ -162,22 +162,25 @@ pub(crate) fn taps(n_in: usize, n_out: usize) -> Taps {
 }
 
 /// One separable pass over an interleaved RGB buffer viewed as `outer x n_in x inner` (the filtered
-/// axis in the middle); returns `outer x n_out x inner`.
+/// axis in the middle); returns `outer x n_out x inner`. One output line (`inner` values) at a time: tap
+/// `j` adds its weight times input line `lo + j`, a contiguous slice, so the inner loop walks memory in
+/// order and vectorises (the vertical pass's lines are whole image rows). The sums are integers, so the
+/// order of the taps does not change a bit of the result.
 fn pass(src: &[u8], outer: usize, n_in: usize, inner: usize, n_out: usize) -> Vec<u8> {
     let t = taps(n_in, n_out);
     let round = t.round();
     let mut dst = vec![0u8; outer * n_out * inner];
+    let mut acc = vec![0i32; inner];
     for o in 0..outer {
         let s = &src[o * n_in * inner..(o + 1) * n_in * inner];
         let d = &mut dst[o * n_out * inner..(o + 1) * n_out * inner];
-        for (i, (lo, w)) in t.start.iter().zip(&t.weights).enumerate() {
-            for c in 0..inner {
-                let mut acc = round;
-                for (j, wj) in w.iter().enumerate() {
-                    acc += wj * s[(lo + j) * inner + c] as i32;
-                }
-                d[i * inner + c] = (acc >> t.precision).clamp(0, 255) as u8;
+        for ((&lo, w), out) in t.start.iter().zip(&t.weights).zip(d.chunks_exact_mut(inner)) {
+            acc.fill(round);
+            for (j, &wj) in w.iter().enumerate() {
+                let line = &s[(lo + j) * inner..][..inner];
+                acc.iter_mut().zip(line).for_each(|(a, &x)| *a += wj * x as i32);
             }
+            out.iter_mut().zip(&acc).for_each(|(y, &a)| *y = (a >> t.precision).clamp(0, 255) as u8);
         }
     }
     dst
