@@ -91,7 +91,9 @@ pub async fn run_step(state: &AppState, mut req: AgentStepRequest) -> Result<Age
     let (adapter, coordinates) = (req.adapter.clone(), req.options.coordinates);
     match state.engine.call(JobKind::Step(StepJob { request: req, screenshot }), adapter).await? {
         JobOutput::Step(resp) => {
-            state.engine.metrics().tokens(resp.usage.prompt_tokens, resp.usage.completion_tokens);
+            let metrics = state.engine.metrics();
+            metrics.tokens(resp.usage.prompt_tokens, resp.usage.completion_tokens);
+            metrics.observe_step(resp.usage.cached_tokens, resp.usage.completion_tokens, resp.timings.decode_ms);
             Ok(resp.in_coordinates(coordinates))
         }
         JobOutput::Chat(_) => Err(HttpError::internal("the backend answered a step with a chat completion")),

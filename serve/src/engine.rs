@@ -254,6 +254,7 @@ impl Intake for Queue<'_> {
             if job.is_cancelled() {
                 cancelled += 1;
             } else {
+                self.shared.metrics.observe_queue_wait(job.enqueued.elapsed());
                 jobs.push(job);
             }
         }
@@ -315,6 +316,7 @@ fn backend_thread(factory: BackendFactory, rx: Receiver<Job>, shared: Arc<Shared
             shared.metrics.jobs_cancelled(1);
             vec![]
         } else {
+            shared.metrics.observe_queue_wait(first.enqueued.elapsed());
             vec![first]
         };
         batch.extend(Queue { rx: &rx, shared: &shared, max_batch }.take(max_batch - batch.len()));

@@ -13,6 +13,10 @@ use std::time::Duration;
 
 /// Upper bounds of the request-duration buckets, in seconds (a step takes ~0.1-2 s on a GPU, more on CPU).
 const DURATION_BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+/// Upper bounds of the queue-wait buckets, in seconds.
+const WAIT_BUCKETS: [f64; 12] = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+/// Upper bounds of the time-per-output-token buckets, in seconds.
+const TPOT_BUCKETS: [f64; 10] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
 /// Upper bounds of the batch-size buckets.
 const BATCH_BUCKETS: [f64; 8] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
 
@@ -64,6 +68,10 @@ pub struct Metrics {
     requests: Mutex<Requests>,
     batches: Mutex<Histogram>,
     vision_batches: Mutex<Histogram>,
+    queue_wait: Mutex<Histogram>,
+    time_per_token: Mutex<Histogram>,
+    cached_tokens: AtomicU64,
+    prefix_hits: AtomicU64,
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
     cancelled: AtomicU64,
@@ -76,6 +84,10 @@ impl Default for Metrics {
             requests: Mutex::default(),
             batches: Mutex::new(Histogram::new(&BATCH_BUCKETS)),
             vision_batches: Mutex::new(Histogram::new(&BATCH_BUCKETS)),
+            queue_wait: Mutex::new(Histogram::new(&WAIT_BUCKETS)),
+            time_per_token: Mutex::new(Histogram::new(&TPOT_BUCKETS)),
+            cached_tokens: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             completion_tokens: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
@@ -114,6 +126,24 @@ impl Metrics {
     /// One batched vision forward's screenshots (cached screenshots are not encoded, so not counted).
     pub fn observe_vision_batch(&self, images: usize) {
         self.vision_batches.lock().unwrap_or_else(|p| p.into_inner()).observe(images as f64);
+    }
+
+    /// How long a job waited in the queue before the backend took it.
+    pub fn observe_queue_wait(&self, waited: Duration) {
+        self.queue_wait.lock().unwrap_or_else(|p| p.into_inner()).observe(waited.as_secs_f64());
+    }
+
+    /// An agent step's prefix-cache use and its time per output token (decode time over the tokens
+    /// after the first, which ends the prefill).
+    pub fn observe_step(&self, cached_tokens: usize, completion_tokens: usize, decode_ms: f64) {
+        self.cached_tokens.fetch_add(cached_tokens as u64, Ordering::Relaxed);
+        if cached_tokens > 0 {
+            self.prefix_hits.fetch_add(1, Ordering::Relaxed);
+        }
+        if completion_tokens > 1 {
+            let tpot = decode_ms / 1e3 / (completion_tokens - 1) as f64;
+            self.time_per_token.lock().unwrap_or_else(|p| p.into_inner()).observe(tpot);
+        }
     }
 
     pub fn tokens(&self, prompt: usize, completion: usize) {
@@ -160,6 +190,19 @@ impl Metrics {
         out.push_str("# HELP askgui_vision_batch_size Screenshots encoded per packed forward (cache misses).\n");
         out.push_str("# TYPE askgui_vision_batch_size histogram\n");
         self.vision_batches.lock().unwrap_or_else(|p| p.into_inner()).write(&mut out, "askgui_vision_batch_size", "");
+        out.push_str("# HELP askgui_queue_wait_seconds Time a job waited in the queue for the backend.\n");
+        out.push_str("# TYPE askgui_queue_wait_seconds histogram\n");
+        self.queue_wait.lock().unwrap_or_else(|p| p.into_inner()).write(&mut out, "askgui_queue_wait_seconds", "");
+        out.push_str(
+            "# HELP askgui_time_per_output_token_seconds Agent steps: decode time per token after the first.\n",
+        );
+        out.push_str("# TYPE askgui_time_per_output_token_seconds histogram\n");
+        let tpot = self.time_per_token.lock().unwrap_or_else(|p| p.into_inner());
+        tpot.write(&mut out, "askgui_time_per_output_token_seconds", "");
+        drop(tpot);
+        out.push_str("# HELP askgui_prefix_cache_hits_total Agent steps that reused a cached prompt prefix.\n");
+        out.push_str("# TYPE askgui_prefix_cache_hits_total counter\n");
+        let _ = writeln!(out, "askgui_prefix_cache_hits_total {}", self.prefix_hits.load(Ordering::Relaxed));
         out.push_str("# HELP askgui_tokens_total Tokens processed: prompt (images included) and completion.\n");
         out.push_str("# TYPE askgui_tokens_total counter\n");
         let _ = writeln!(out, "askgui_tokens_total{{kind=\"prompt\"}} {}", self.prompt_tokens.load(Ordering::Relaxed));
@@ -168,6 +211,7 @@ impl Metrics {
             "askgui_tokens_total{{kind=\"completion\"}} {}",
             self.completion_tokens.load(Ordering::Relaxed)
         );
+        let _ = writeln!(out, "askgui_tokens_total{{kind=\"cached\"}} {}", self.cached_tokens.load(Ordering::Relaxed));
         out.push_str("# HELP askgui_live_sessions Sessions that have not expired.\n");
         out.push_str("# TYPE askgui_live_sessions gauge\n");
         let _ = writeln!(out, "askgui_live_sessions {}", gauges.live_sessions);
@@ -194,6 +238,9 @@ mod tests {
         m.observe_batch(3);
         m.observe_vision_batch(2);
         m.observe_vision_batch(5);
+        m.observe_queue_wait(Duration::from_millis(3));
+        m.observe_step(120, 11, 40.0); // 40 ms over the 10 tokens after the first: 4 ms a token
+        m.observe_step(0, 1, 9.0); // one token: no decode time to divide
         m.tokens(10, 2);
         let text = m.render(Gauges { queue_depth: 2, live_sessions: 5 });
         assert!(text.contains("askgui_requests_total{route=\"/v1/agent/step\",status=\"200\"} 2\n"), "{text}");
@@ -206,6 +253,13 @@ mod tests {
         assert!(text.contains("askgui_vision_batch_size_bucket{le=\"2\"} 1\n"), "{text}");
         assert!(text.contains("askgui_vision_batch_size_bucket{le=\"8\"} 2\n"), "{text}");
         assert!(text.contains("askgui_vision_batch_size_sum 7\n"), "{text}");
+        assert!(text.contains("askgui_queue_wait_seconds_bucket{le=\"0.001\"} 0\n"), "{text}");
+        assert!(text.contains("askgui_queue_wait_seconds_bucket{le=\"0.005\"} 1\n"), "{text}");
+        assert!(text.contains("askgui_time_per_output_token_seconds_bucket{le=\"0.0025\"} 0\n"), "{text}");
+        assert!(text.contains("askgui_time_per_output_token_seconds_bucket{le=\"0.005\"} 1\n"), "{text}");
+        assert!(text.contains("askgui_time_per_output_token_seconds_count 1\n"), "{text}");
+        assert!(text.contains("askgui_prefix_cache_hits_total 1\n"), "{text}");
+        assert!(text.contains("askgui_tokens_total{kind=\"cached\"} 120\n"), "{text}");
         assert!(text.contains("askgui_queue_depth 2\n") && text.contains("askgui_live_sessions 5\n"));
         assert!(text.contains("askgui_tokens_total{kind=\"prompt\"} 10\n"));
         assert!(text.contains("askgui_tokens_total{kind=\"completion\"} 2\n"));
