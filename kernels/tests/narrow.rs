@@ -6,19 +6,14 @@
 use askgui_kernels::ops::{dequantize_int8, frozen_linear, int8_linear, narrow_linear_reference, quantize_int8};
 use candle_core::{DType, Device, Tensor};
 
-/// Deterministic values in [-1, 1).
+mod common;
+
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    common::uniform(n, seed).into_iter().map(|x| x as f32).collect()
 }
 
 fn tensor(shape: (usize, usize), seed: u64) -> Tensor {
-    Tensor::from_vec(values(shape.0 * shape.1, seed), shape, &Device::Cpu).unwrap()
+    common::tensor(&[shape.0, shape.1], seed, DType::F32).unwrap()
 }
 
 fn max_abs(t: &Tensor) -> f32 {
