@@ -5,7 +5,8 @@ What: for each weight setting (`--dtype f32`, `--dtype bf16`, `--quantize int8` 
 server on --model (a Qwen2.5-VL-3B-shaped random checkpoint: `python scripts/fixtures/random_checkpoint.py
 --shape 3b --device cpu --out target/qwen3b-random --tokenizer ...`), read its resident memory (VmRSS)
 once /health answers, send one agent step with a --width x --height screenshot (default a 1080x2400
-phone screen) and --max-tokens, then read VmRSS again and the peak (VmHWM). The settings run one after
+phone screen) and --max-tokens, then read VmRSS again and the peak (VmHWM; while loading it counts the
+checkpoint's mapped file pages too). `--settings int8-bf16` adds int8 linears loaded from bf16. The settings run one after
 the other, never two servers at once. Also reported: each answer's `ask_probability` and action against
 f32's (the logits themselves are compared on the test fixture, `cargo test -p askgui-model --test int8`).
 
@@ -31,6 +32,8 @@ SETTINGS = {
     "f32": ["--dtype", "f32"],
     "bf16": ["--dtype", "bf16"],
     "int8": ["--dtype", "f32", "--quantize", "int8"],
+    # int8 linears loaded from bf16: half the load peak; embeddings and activations in bf16.
+    "int8-bf16": ["--dtype", "bf16", "--quantize", "int8"],
 }
 
 
