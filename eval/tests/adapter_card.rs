@@ -15,10 +15,10 @@ use common::args;
 const TINY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/fixtures/tiny-qwen2_5_vl");
 const PEFT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/fixtures/lora/tiny-qwen2_5_vl-peft");
 
-/// The PEFT fixture adapter copied to a folder of its own, with a card trained at 12,544 pixels and the
-/// compact system prompt.
-fn adapter_with_card() -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("askgui-eval-adapter-card");
+/// The PEFT fixture adapter copied to a folder of its own per `name` (the tests run in parallel, and each
+/// rewrites its folder), with a card trained at 12,544 pixels and the compact system prompt.
+fn adapter_with_card(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("askgui-eval-adapter-card-{name}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
@@ -56,7 +56,7 @@ fn load(list: &[&str]) -> (AgentIdentity, String) {
 
 #[test]
 fn the_adapter_card_is_the_default_and_a_different_flag_wins_with_a_warning() {
-    let dir = adapter_with_card();
+    let dir = adapter_with_card("prompt");
     let adapter = dir.to_str().unwrap();
 
     // No card: the checkpoint's processor and the full prompt, as before.
@@ -86,7 +86,7 @@ fn the_adapter_card_is_the_default_and_a_different_flag_wins_with_a_warning() {
 /// wins.
 #[test]
 fn the_cards_calibrated_pause_threshold_is_the_default_and_the_flag_wins() {
-    let dir = adapter_with_card();
+    let dir = adapter_with_card("pause");
     let mut card = AdapterCard::read(&dir).unwrap().unwrap();
     card.pause = Some(CardPause {
         threshold: 0.37,
