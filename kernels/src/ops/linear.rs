@@ -30,14 +30,14 @@ fn linear_fwd<T: WithDType>(x: &[T], w: &[T], d_in: usize) -> Vec<T> {
     y
 }
 
-/// Checks x `(.., in)` against w `(out, in)`; returns `(in, out, shape of y)`.
-fn check(x: &Layout, w: &Layout) -> Result<(usize, usize, Shape)> {
+/// Checks x `(.., in)` against w `(out, in)` for the op `name`; returns `(in, out, shape of y)`.
+pub(super) fn check(name: &str, x: &Layout, w: &Layout) -> Result<(usize, usize, Shape)> {
     let (xd, wd) = (x.shape().dims(), w.shape().dims());
     let (Some(&d_in), [d_out, w_in]) = (xd.last(), wd) else {
-        bail!("frozen_linear: expected x (.., in) and w (out, in), got x {:?}, w {:?}", x.shape(), w.shape())
+        bail!("{name}: expected x (.., in) and w (out, in), got x {:?}, w {:?}", x.shape(), w.shape())
     };
     if d_in != *w_in || d_in == 0 {
-        bail!("frozen_linear: x {:?} and w {:?} disagree on a non-empty `in` dimension", x.shape(), w.shape())
+        bail!("{name}: x {:?} and w {:?} disagree on a non-empty `in` dimension", x.shape(), w.shape())
     }
     let mut dims = xd.to_vec();
     *dims.last_mut().expect("checked non-empty above") = *d_out;
@@ -50,7 +50,7 @@ impl CustomOp2 for FrozenLinear {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (d_in, _, out_shape) = check(l1, l2)?;
+        let (d_in, d_out, out_shape) = check(self.name(), l1, l2)?;
         let name = self.name();
         let y = match Float::of(name, &[("x", s1, l1), ("w", s2, l2)])? {
             Float::F64 => {
@@ -60,8 +60,7 @@ impl CustomOp2 for FrozenLinear {
             // A bf16 weight is read panel by panel ([`super::narrow`]), never widened whole.
             Float::F32(out) if matches!(s2, CpuStorage::BF16(_)) => {
                 let (x, w) = (f32_slice(s1, l1, name, "x")?, contiguous_slice(s2, l2, name, "w")?);
-                let (n, d_out) = (x.len() / d_in, l2.shape().dims()[0]);
-                out.store(narrow::linear(&x, narrow::Narrow::Bf16(w), n, d_in, d_out))
+                out.store(narrow::linear(&x, narrow::Narrow::Bf16(w), x.len() / d_in, d_in, d_out))
             }
             Float::F32(out) => {
                 let (x, w) = (f32_slice(s1, l1, name, "x")?, f32_slice(s2, l2, name, "w")?);
@@ -73,7 +72,7 @@ impl CustomOp2 for FrozenLinear {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
-        let (d_in, d_out, out_shape) = check(l1, l2)?;
+        let (d_in, d_out, out_shape) = check(self.name(), l1, l2)?;
         let name = self.name();
         super::gpu::elem(name, &[("x", s1.dtype()), ("w", s2.dtype())])?;
         let (Some((x0, _)), Some((w0, _))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {

@@ -149,12 +149,9 @@ impl CustomOp3 for Int8Linear {
         ls: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let (xd, qd) = (lx.shape().dims(), lq.shape().dims());
-        let (Some((&d_in, lead)), [d_out, q_in]) = (xd.split_last(), qd) else {
-            bail!("{name}: expected x (.., in) and q (out, in), got x {:?}, q {:?}", lx.shape(), lq.shape())
-        };
-        if d_in != *q_in || ls.shape().dims() != [*d_out] {
-            bail!("{name}: x {:?}, q {:?} and scales {:?} disagree", lx.shape(), lq.shape(), ls.shape())
+        let (d_in, d_out, out_shape) = super::linear::check(name, lx, lq)?;
+        if ls.shape().dims() != [d_out] {
+            bail!("{name}: q {:?} and scales {:?} disagree: one scale per row of q", lq.shape(), ls.shape())
         }
         let out = match Float::of(name, &[("x", sx, lx)])? {
             Float::F32(out) => out,
@@ -163,9 +160,8 @@ impl CustomOp3 for Int8Linear {
         let x = f32_slice(sx, lx, name, "x")?;
         let q = contiguous_slice::<u8>(sq, lq, name, "q")?;
         let scales = contiguous_slice::<f32>(ss, ls, name, "scales")?;
-        let n = lead.iter().product::<usize>();
-        let y = linear(&x, Narrow::Int8 { q, scales }, n, d_in, *d_out);
-        Ok((out.store(y), Shape::from(lead.iter().copied().chain([*d_out]).collect::<Vec<_>>())))
+        let y = linear(&x, Narrow::Int8 { q, scales }, x.len() / d_in, d_in, d_out);
+        Ok((out.store(y), out_shape))
     }
 }
 
