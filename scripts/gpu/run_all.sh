@@ -14,7 +14,7 @@
 # First of all, when an askgui-train binary is at hand ($ASKGUI_TRAIN, else the CUDA bundle's
 # target/gpu-bundle/bin/askgui-train from scripts/build_cuda_artifacts.sh, else target/release/askgui-train),
 # `askgui-train check-gpu` checks askgui's kernels against their references: OUT/check-gpu.txt; a failure
-# counts as a failed script.
+# counts as a failed script. SKIP_CHECK_GPU=1 leaves it out (scripts/gpu/device_run.sh runs it itself).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: scripts/gpu/run_all.sh OUT [smoke] [attention] [tiling] [lora] [lora-nockpt] [generate]}
@@ -42,10 +42,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/nvid
   >"$out/versions.txt" 2>&1 || true
 
 train_bin=${ASKGUI_TRAIN:-}
+[ "${SKIP_CHECK_GPU:-0}" != 1 ] || train_bin=none
 for b in target/gpu-bundle/bin/askgui-train target/release/askgui-train; do
   [ -n "$train_bin" ] || { [ -x "$b" ] && train_bin=$b; }
 done
-if [ -n "$train_bin" ]; then
+if [ "$train_bin" = none ]; then
+  echo "== check-gpu: skipped (SKIP_CHECK_GPU=1)" >&2
+elif [ -n "$train_bin" ]; then
   echo "== check-gpu: $train_bin check-gpu --device $dev" >&2
   LD_LIBRARY_PATH="${CUDA_LIB_DIR:-/usr/local/cuda/lib64}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 300 \
     "$train_bin" check-gpu --device "$dev" >"$out/check-gpu.txt" 2>"$out/check-gpu.log"

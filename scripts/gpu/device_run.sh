@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Everything askgui checks and times on a GPU machine, in two stages that each fit one 10-minute call.
+#
+#   scripts/gpu/device_run.sh OUT check   # ~4 min: check-gpu + the CUDA tests, the trainer on the CPU against
+#                                         # the GPU (f32, bf16, packed, reference kernels), a two-rank NCCL
+#                                         # start, the server on the CPU against the GPU, the kernel
+#                                         # benchmarks beside PyTorch's
+#   scripts/gpu/device_run.sh OUT model   # ~5 min: the 3B-shaped LoRA step and generation, PyTorch then askgui
+#
+# Needs, built on a machine with Rust (no GPU needed there; carry target/gpu-bundle.tar.xz and target/gpu-data):
+#   scripts/build_cuda_artifacts.sh --xz --example generate --example lora_step --example bench_cuda
+#   askgui-data synth --out target/gpu-data/train --episodes 24 --seed 11 --width 224 --height 400 --split 1:0:0
+#   gzip -c QWEN_TOKENIZER.json > target/gpu-data/tokenizer.json.gz   # the 3B generation's tokenizer
+# and the PyTorch stack on the GPU machine (scripts/gpu/README.md). Every log lands in a folder that is
+# packed into OUT/STAGE.tar.gz (a device call returns few files); OUT/STAGE-summary.txt holds the verdicts
+# and is printed last. Exit status: the number of failed steps.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:?usage: scripts/gpu/device_run.sh OUT check|model}
+stage=${2:?usage: scripts/gpu/device_run.sh OUT check|model}
+bundle=${BUNDLE:-target/gpu-bundle}
+data=target/gpu-data
+work=$(mktemp -d)/$stage
+mkdir -p "$out" "$work"
+summary=$out/$stage-summary.txt
+: >"$summary"
+failed=0
+nccl=${NCCL_LIB_DIR:-$(python3 -c 'import glob, os, nvidia
+print(next((os.path.dirname(f) for p in nvidia.__path__ for f in glob.glob(p + "/**/libnccl.so*", recursive=True)), ""))' 2>/dev/null)}
+export LD_LIBRARY_PATH="${CUDA_LIB_DIR:-/usr/local/cuda/lib64}${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+note() { echo "$*" | tee -a "$summary"; }
+# step NAME TIMEOUT_S COMMAND...: runs it with its output in $work/NAME.log and notes the verdict.
+step() {
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  echo "== $name: $*" >&2
+  timeout "$limit" "$@" >"$work/$name.log" 2>&1
+  rc=$?
+  note "$name: rc $rc in $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] && return
+  failed=$((failed + 1))
+  { grep -m3 -E '^Error|panicked|FAILED|Traceback' "$work/$name.log" || tail -4 "$work/$name.log"; } | sed 's/^/    /' |
+    tee -a "$summary"
+}
+
+[ -d "$bundle" ] || tar -C target -xJf "$bundle.tar.xz" || exit 1
+# Tests that read fixtures through the build machine's absolute path find them through a link.
+root=$(sed -n 's/^root //p' "$bundle/BUILD_INFO" 2>/dev/null)
+if [ -n "$root" ] && [ ! -e "$root" ]; then mkdir -p "$(dirname "$root")" && ln -s "$PWD" "$root"; fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv >"$work/nvidia-smi.csv" 2>&1
+python3 -c "import torch, transformers, peft; print(torch.__version__, torch.version.cuda, transformers.__version__, peft.__version__)" \
+  >"$work/versions.txt" 2>&1
+cp "$bundle/BUILD_INFO" "$work/" 2>/dev/null
+note "$(head -2 "$work/nvidia-smi.csv" | tail -1); torch $(cat "$work/versions.txt")"
+
+train=$bundle/bin/askgui-train
+# train NAME FLAGS...: four LoRA steps of the tiny fixture on the synthetic episodes.
+train() {
+  local name=$1
+  shift
+  step "train-$name" 240 "$train" --model model/tests/fixtures/tiny-qwen2_5_vl --data "$data/train/train.jsonl" \
+    --output-dir "$work/train-$name" --max-pixels 12544 --max-steps 4 --batch-size 4 --lora-dropout 0 \
+    --progress false --seed 0 "$@"
+}
+compare() { # compare REF RUN RTOL
+  step "compare-$2-vs-$1" 60 python3 scripts/gpu/compare_train_runs.py "$work/train-$1" "$work/train-$2" --rtol "$3" \
+    --label "$2 vs $1"
+  grep -E "PASS|FAIL" "$work/compare-$2-vs-$1.log" | sed 's/^/    /' >>"$summary"
+}
+
+case $stage in
+  check)
+    step cuda-tests 300 "$bundle/run.sh"
+    grep -E "FAIL|test result|passed|failed" "$work/cuda-tests.log" | sed 's/^/    /' | head -20 >>"$summary"
+    step attention-cupy 180 python3 scripts/checks/check_attention_kernels.py
+    train cpu --device cpu
+    train cuda --device cuda
+    train cuda-packed --device cuda --packing
+    train cuda-reference --device cuda --kernels reference
+    train cuda-bf16 --device cuda --dtype bf16
+    # f32: the same arithmetic in another order (cuBLAS, our kernels' reductions): far under 1e-4.
+    compare cpu cuda 1e-4
+    compare cuda cuda-packed 1e-4
+    compare cuda cuda-reference 1e-4
+    # bf16 weights and activations round to 8 bits of mantissa (0.4%); over 4 steps a loss within 3%.
+    compare cpu cuda-bf16 3e-2
+    # Two torchrun-style ranks on one GPU: the NCCL id travels over the rendezvous, then NCCL refuses two
+    # ranks on one device. What must hold: both ranks exit with an error naming the cause, no hang.
+    for r in 0 1; do
+      RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 \
+        timeout 120 "$train" --model model/tests/fixtures/tiny-qwen2_5_vl --data "$data/train/train.jsonl" \
+        --output-dir "$work/nccl" --max-pixels 12544 --max-steps 2 --batch-size 4 --progress false \
+        --device cuda >"$work/nccl-rank$r.log" 2>&1 &
+    done
+    t0=$SECONDS
+    wait
+    note "nccl two ranks on one GPU: ended after $((SECONDS - t0)) s; rank 0: $(grep -m1 -E '^Error|panicked' "$work/nccl-rank0.log"); rank 1: $(grep -m1 -E '^Error|panicked' "$work/nccl-rank1.log")"
+    # The server on the GPU answers as the one on the CPU (the tiny fixture, f32, greedy).
+    serve=$bundle/bin/askgui-serve
+    servers=()
+    for d in cpu:18101 cuda:18102; do
+      "$serve" --model model/tests/fixtures/tiny-qwen2_5_vl --no-ui --device "${d%:*}" --port "${d#*:}" \
+        >"$work/serve-${d%:*}.log" 2>&1 &
+      servers+=($!)
+    done
+    step serve-cpu-vs-cuda 240 python3 scripts/gpu/serve_smoke.py http://127.0.0.1:18101 http://127.0.0.1:18102
+    tail -2 "$work/serve-cpu-vs-cuda.log" | sed 's/^/    /' >>"$summary"
+    kill "${servers[@]}" 2>/dev/null
+    step bench-cuda 240 "$bundle/run.sh" --example bench_cuda all
+    SKIP_CHECK_GPU=1 step torch-kernels 300 scripts/gpu/run_all.sh "$work/torch" attention tiling
+    ;;
+  model)
+    ckpt=target/gpu-bench/qwen3b-random
+    step torch-lora 300 python3 scripts/gpu/bench_torch_lora_step.py --save-checkpoint "$ckpt" --lora-dropout 0
+    step askgui-lora 300 "$bundle/run.sh" --example lora_step --model "$ckpt" --path ops --checkpointing \
+      --image-size 1080x2400 --text-tokens 200 --supervised 50 --rank 64 --lm-only --steps 5 --device cuda --dtype bf16
+    step torch-generate 240 python3 scripts/gpu/bench_torch_generate.py --load-checkpoint "$ckpt"
+    gunzip -c "$data/tokenizer.json.gz" >"$ckpt/tokenizer.json" && cp "$data/tokenizer_config.json" "$ckpt/"
+    python3 -c "import numpy as np; from PIL import Image; Image.fromarray(np.random.default_rng(0).integers(0, 256, (2400, 1080, 3), dtype=np.uint8)).save('$work/screen.png')"
+    step askgui-generate 240 "$bundle/run.sh" --example generate --model "$ckpt" --image "$work/screen.png" \
+      --prompt "Open the settings and turn on dark mode." --max-new-tokens 32 --ignore-eos --timings --repeat 5 \
+      --device cuda --dtype bf16
+    ;;
+  *) echo "unknown stage $stage: check or model" >&2; exit 2 ;;
+esac
+tar -C "$(dirname "$work")" -czf "$out/$stage.tar.gz" "$stage"
+note "$stage: $failed failed; logs in $out/$stage.tar.gz"
+cat "$summary"
+exit "$failed"
