@@ -39,6 +39,8 @@ step() {
   timeout "$limit" "$@" >"$work/$name.log" 2>&1
   rc=$?
   note "$name: rc $rc in $((SECONDS - t0)) s"
+  # The logs so far, in case the call's time runs out before the end.
+  tar -C "$(dirname "$work")" --exclude='*.safetensors' -czf "$out/$stage.tar.gz" "$stage"
   [ "$rc" = 0 ] && return
   failed=$((failed + 1))
   { grep -m3 -E '^Error|panicked|FAILED|Traceback' "$work/$name.log" || tail -4 "$work/$name.log"; } | sed 's/^/    /' |
@@ -72,7 +74,8 @@ compare() { # compare REF RUN RTOL
 
 case $stage in
   check)
-    step cuda-tests 300 "$bundle/run.sh"
+    # check-gpu, then the CUDA test executable (the bundle's other tests are CPU tests CI runs).
+    step cuda-tests 300 "$bundle/run.sh" cuda
     grep -E "FAIL|test result|passed|failed" "$work/cuda-tests.log" | sed 's/^/    /' | head -20 >>"$summary"
     step attention-cupy 180 python3 scripts/checks/check_attention_kernels.py
     train cpu --device cpu
@@ -125,7 +128,7 @@ case $stage in
     ;;
   *) echo "unknown stage $stage: check or model" >&2; exit 2 ;;
 esac
-tar -C "$(dirname "$work")" -czf "$out/$stage.tar.gz" "$stage"
+tar -C "$(dirname "$work")" --exclude='*.safetensors' -czf "$out/$stage.tar.gz" "$stage"
 note "$stage: $failed failed; logs in $out/$stage.tar.gz"
 cat "$summary"
 exit "$failed"
