@@ -61,6 +61,24 @@ impl DeviceKind {
     }
 }
 
+/// Makes `device`'s CUDA context current on this thread; nothing on the CPU. cudarc binds it before it
+/// allocates or copies, but not before every kernel launch or cuBLAS call, so a thread other than the one
+/// that opened the device fails those with `CUDA_ERROR_INVALID_CONTEXT` (seen on an H100: the server's job
+/// threads). Every thread that computes on a model it did not load calls this first; it is cheap (one
+/// driver query when the context is already current).
+pub fn bind_thread(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        d.cuda_stream()
+            .context()
+            .bind_to_thread()
+            .map_err(|e| ModelError::Device(format!("making the CUDA context current on this thread: {e:?}")))?;
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    Ok(())
+}
+
 /// The weight dtype option of the binaries.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]

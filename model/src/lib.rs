@@ -34,7 +34,7 @@ pub mod weights;
 
 pub use chat::{render_chat, Content, Message, QwenTokenizer};
 pub use config::{Arch, ModelConfig};
-pub use device::{pin_cpu_threads, DTypeChoice, DeviceKind, KernelChoice, LoadOptions, Quantize};
+pub use device::{bind_thread, pin_cpu_threads, DTypeChoice, DeviceKind, KernelChoice, LoadOptions, Quantize};
 pub use error::{ModelError, Result};
 pub use generate::{generate, FinishReason, Generation, Prompt, SamplingParams, Timings};
 pub use image::{load_image, preprocess, preprocess_batch, ImageProcessorConfig, PreprocessedBatch, ProcessedImage};

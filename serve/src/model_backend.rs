@@ -210,15 +210,27 @@ impl ModelBackend {
         let batcher = Batcher::default();
         let Self { runner, jobs } = self;
         let adapter = runner.packed.model.active_adapter().map(String::from);
+        let device = runner.packed.model.device.clone();
         std::thread::scope(|s| {
             batcher.job_started();
-            let owner = s.spawn(|| runner.serve(&batcher, &mut crate::backend::NoIntake, &|_| {}));
+            let owner = s.spawn(|| {
+                bind_or_log(&device);
+                runner.serve(&batcher, &mut crate::backend::NoIntake, &|_| {})
+            });
             let out = work(jobs, &Client::new(&batcher, adapter));
             if let Err(p) = owner.join() {
                 std::panic::resume_unwind(p);
             }
             out
         })
+    }
+}
+
+/// Makes the model's CUDA context current on a job or forward thread (see [`askgui_model::bind_thread`]);
+/// a failure is logged, and the job's first device operation then answers with the error.
+fn bind_or_log(device: &candle_core::Device) {
+    if let Err(e) = askgui_model::bind_thread(device) {
+        tracing::error!(error = %e, "cannot use the GPU on this thread");
     }
 }
 
@@ -243,11 +255,15 @@ impl Backend for ModelBackend {
         let batcher = Batcher::default();
         let Self { runner, jobs: shared } = self;
         let shared = &*shared;
+        let device = &runner.packed.model.device.clone();
         std::thread::scope(|s| {
             let start = |job: Job| {
                 batcher.job_started();
                 let batcher = &batcher;
-                let body = move || shared.answer(&Client::new(batcher, job.adapter.clone()), job);
+                let body = move || {
+                    bind_or_log(device);
+                    shared.answer(&Client::new(batcher, job.adapter.clone()), job)
+                };
                 if let Err(e) = std::thread::Builder::new().name("askgui-job".into()).spawn_scoped(s, body) {
                     // The job (and its reply sender) went with the closure: its client gets a 500.
                     tracing::error!(error = %e, "cannot start a job thread");

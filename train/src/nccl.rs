@@ -6,11 +6,14 @@
 //! copied to the GPU, reduced there by NCCL (NVLink, PCIe or the network) and copied back. For LoRA the
 //! gradients are a few MB per step; full training pays two extra copies of its gradients per step.
 //!
-//! Not run on a GPU yet: it compiles in CI's CUDA check (`.ci/cuda-check`).
+//! Run on one H100 (2026-11-27) only as far as one GPU allows: two ranks exchanged the id over the
+//! rendezvous, and NCCL refused two ranks on one device, so both exited with that error within a second.
+//! No collective has run on GPUs: it compiles in CI's CUDA check (`.ci/cuda-check`).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, DeviceRepr};
+use cudarc::nccl::result::NcclError;
 use cudarc::nccl::{Comm, Id, NcclType, ReduceOp};
 
 use crate::distributed::DistributedError;
@@ -24,9 +27,30 @@ fn error(what: &str, e: impl std::fmt::Debug) -> DistributedError {
     DistributedError::Nccl(format!("{what}: {e:?}"))
 }
 
+/// An NCCL failure in NCCL's own words: the result code and NCCL's last error message, for instance
+/// "ncclInvalidUsage: Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000" (cudarc's
+/// `Debug` says "NcclError" and nothing else).
+fn nccl_error(what: &str, e: NcclError) -> DistributedError {
+    // SAFETY: ncclGetLastError(NULL) returns NULL or a NUL-terminated string in a buffer NCCL owns, which
+    // lives as long as the library; it is copied at once.
+    let last = unsafe {
+        let p = cudarc::nccl::sys::ncclGetLastError(std::ptr::null_mut());
+        if p.is_null() {
+            String::new()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().trim().to_string()
+        }
+    };
+    DistributedError::Nccl(format!(
+        "{what}: {:?}{}",
+        e.0,
+        if last.is_empty() { String::new() } else { format!(": {last}") }
+    ))
+}
+
 /// A fresh NCCL unique id (rank 0 makes it; the others receive it through MPI or the rendezvous).
 pub fn new_id() -> Result<[u8; ID_BYTES]> {
-    let id = Id::new().map_err(|e| error("ncclGetUniqueId (is libnccl installed?)", e))?;
+    let id = Id::new().map_err(|e| nccl_error("ncclGetUniqueId (is libnccl installed?)", e))?;
     Ok(id.internal().map(|c| c as u8))
 }
 
@@ -55,7 +79,7 @@ impl Nccl {
     /// GPU). Blocks until every rank has joined.
     pub fn connect(stream: Arc<CudaStream>, rank: usize, size: usize, id: [u8; ID_BYTES]) -> Result<Nccl> {
         let id = Id::uninit(id.map(|b| b as std::ffi::c_char));
-        let comm = Comm::from_rank(stream.clone(), rank, size, id).map_err(|e| error("ncclCommInitRank", e))?;
+        let comm = Comm::from_rank(stream.clone(), rank, size, id).map_err(|e| nccl_error("ncclCommInitRank", e))?;
         Ok(Nccl { comm, stream })
     }
 
@@ -65,7 +89,7 @@ impl Nccl {
             return Ok(());
         }
         let mut device = self.stream.clone_htod(buf).map_err(|e| error("copy to the GPU", e))?;
-        self.comm.all_reduce_in_place(&mut device, &ReduceOp::Sum).map_err(|e| error("ncclAllReduce", e))?;
+        self.comm.all_reduce_in_place(&mut device, &ReduceOp::Sum).map_err(|e| nccl_error("ncclAllReduce", e))?;
         self.stream.memcpy_dtoh(&device, buf).map_err(|e| error("copy from the GPU", e))?;
         self.stream.synchronize().map_err(|e| error("synchronize", e))
     }
@@ -74,7 +98,7 @@ impl Nccl {
     pub fn all_gather_u64(&self, x: u64, size: usize) -> Result<Vec<u64>> {
         let send = self.stream.clone_htod(&[x]).map_err(|e| error("copy to the GPU", e))?;
         let mut all = self.stream.alloc_zeros::<u64>(size).map_err(|e| error("alloc", e))?;
-        self.comm.all_gather(&send, &mut all).map_err(|e| error("ncclAllGather", e))?;
+        self.comm.all_gather(&send, &mut all).map_err(|e| nccl_error("ncclAllGather", e))?;
         let all = self.stream.clone_dtoh(&all).map_err(|e| error("copy from the GPU", e))?;
         self.stream.synchronize().map_err(|e| error("synchronize", e))?;
         Ok(all)

@@ -180,6 +180,8 @@ impl Agent for InProcessAgent {
         let screenshots = self.screenshots(input)?;
         let step = runtime_step(input, &screenshots);
         let mut packed = self.packed.lock().unwrap_or_else(|p| p.into_inner());
+        // Episodes run on worker threads, not the one that loaded the model.
+        askgui_model::bind_thread(&packed.model.device).map_err(|e| AgentError::Model(e.to_string()))?;
         let out = self.runtime.step(&Solo::new(&mut packed), &step, &self.options, &|| false).map_err(runtime_err)?;
         let (action, parse_error) = match out.parsed {
             Ok((action, _)) => (Some(action), None),

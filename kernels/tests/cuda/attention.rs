@@ -301,8 +301,8 @@ fn attention_refuses_bad_inputs_on_gpu() -> Result<()> {
     let (q, kv) = (x(&[1, 2, 8, 200], DType::F32)?, x(&[1, 2, 8, 200], DType::F32)?);
     expect(attention(&q, &kv, &kv, AttentionMask::Causal, None, 0.1), "head dim 200")?;
     let (q, kv) = (x(&[1, 2, 8, 64], DType::F32)?, x(&[1, 2, 8, 64], DType::BF16)?);
-    expect(attention(&q, &kv, &kv, AttentionMask::Causal, None, 0.1), "all f32 or all bf16")?;
+    expect(attention(&q, &kv, &kv, AttentionMask::Causal, None, 0.1), "must all be f32 or all bf16")?;
     let (q, kv) = (x(&[1, 2, 8, 64], DType::F16)?, x(&[1, 2, 8, 64], DType::F16)?);
-    expect(attention(&q, &kv, &kv, AttentionMask::Causal, None, 0.1), "all f32 or all bf16")?;
+    expect(attention(&q, &kv, &kv, AttentionMask::Causal, None, 0.1), "must all be f32 or all bf16")?;
     Ok(())
 }
