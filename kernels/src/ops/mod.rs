@@ -15,6 +15,7 @@
 //! - [`cross_entropy`]: [`cross_entropy_masked`] (mean NLL over supervised positions).
 //! - [`attention`](mod@attention): [`attention()`](fn@attention) (streaming FlashAttention-2 softmax, GQA, masks).
 //! - [`rope`](mod@rope): [`rope()`] (rotate-half RoPE, M-RoPE and vision tables; gradient for `x` only).
+//! - [`paged_attention`](mod@paged_attention): decoding attention over a KV cache kept in blocks (inference only).
 //!
 //! CPU kernels accept f32, f64 (so that finite-difference checks are meaningful) and bf16 (the GPU's
 //! dtype, because candle 0.11 has no bf16 CPU matmul): bf16 inputs are widened to f32 ([`f32_slice`]), the
@@ -31,6 +32,7 @@ pub(crate) mod gpu;
 pub mod linear;
 pub mod narrow;
 pub mod norm;
+pub mod paged_attention;
 pub mod rope;
 
 pub use attention::attention;
@@ -38,6 +40,7 @@ pub use cross_entropy::{cross_entropy_masked, cross_entropy_masked_reference};
 pub use linear::{frozen_linear, frozen_linear_reference};
 pub use narrow::{dequantize_int8, int8_linear, narrow_linear_reference, quantize_int8};
 pub use norm::{layer_norm, layer_norm_frozen, rms_norm, rms_norm_frozen};
+pub use paged_attention::{paged_attention, paged_attention_reference};
 pub use rope::rope;
 
 use candle_core::{bail, CpuStorage, Layout, Result, WithDType};
