@@ -43,6 +43,8 @@ pub enum ModelError {
     Device(String),
     #[error("generation: {0}")]
     Generation(String),
+    #[error("the KV cache is full ({capacity} blocks in use): wait for running sequences to finish, or give the cache more memory")]
+    KvCacheFull { capacity: usize },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

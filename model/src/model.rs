@@ -8,7 +8,8 @@ use crate::config::{Arch, ModelConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::image::ImageProcessorConfig;
-use crate::text::{KvCache, TextDecoder};
+use crate::kv_cache::KvCache;
+use crate::text::TextDecoder;
 use crate::vision::VisionTower;
 use crate::weights::{CheckpointFiles, Weights};
 

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::TextConfig;
 use crate::device::KernelChoice;
 use crate::error::Result;
+use crate::kv_cache::KvCache;
 use crate::layers::Linear;
 use crate::train_ops::TrainCtx;
 use crate::weights::Weights;
@@ -27,47 +28,9 @@ struct Layer {
     down: Linear,
 }
 
-/// Per-layer rotated keys and values `(B, Hkv, T_cached, D)`.
-#[derive(Default, Clone)]
-pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
-}
-
-impl KvCache {
-    /// Number of cached positions (0 when empty).
-    pub fn len(&self) -> usize {
-        self.layers.first().and_then(|l| l.as_ref()).map(|(k, _)| k.dim(2).unwrap_or(0)).unwrap_or(0)
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The cache of the first `len` positions (a prefix shared with another prompt). Tensors are
-    /// narrowed views; nothing is copied until the next append.
-    pub fn truncated(&self, len: usize) -> Result<Self> {
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| match l {
-                Some((k, v)) if len > 0 => Ok(Some((k.narrow(2, 0, len)?, v.narrow(2, 0, len)?))),
-                _ => Ok(None),
-            })
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Self { layers })
-    }
-
-    /// A default (empty) cache gets one slot per layer.
-    fn fit(&mut self, layers: usize) {
-        if self.layers.is_empty() {
-            self.layers = vec![None; layers];
-        }
-    }
-
-    /// Bytes held by the keys and values.
-    pub fn bytes(&self) -> usize {
-        self.layers.iter().flatten().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
-    }
-}
+/// New rows of a sequence up to which its attention reads the cache's blocks in place (a decode step, a
+/// fork's few tokens); longer runs (prefills) concatenate the blocks and take the GEMM-based attention.
+const PAGED_ROWS: usize = 4;
 
 pub struct TextDecoder {
     cfg: TextConfig,
@@ -146,7 +109,9 @@ impl TextDecoder {
     }
 
     pub fn new_cache(&self) -> KvCache {
-        KvCache { layers: vec![None; self.layers.len()] }
+        let mut cache = KvCache::default();
+        cache.fit(self.layers.len());
+        cache
     }
 
     /// Token embeddings `(B, T) -> (B, T, H)`.
@@ -182,8 +147,8 @@ impl TextDecoder {
         let rope = self.rope(positions, embeds.dtype(), embeds.device())?;
         let mut x = embeds.clone();
         cache.fit(self.layers.len());
-        for (i, slot) in cache.layers.iter_mut().enumerate() {
-            x = self.layer(i, &x, (&rope, AttentionMask::Causal), key_padding, Some(slot), train)?;
+        for i in 0..self.layers.len() {
+            x = self.layer(i, &x, (&rope, AttentionMask::Causal), key_padding, Some(&mut *cache), train)?;
         }
         self.final_norm(&x, train)
     }
@@ -205,8 +170,7 @@ impl TextDecoder {
         let mut x = embeds.clone();
         caches.iter_mut().for_each(|c| c.fit(self.layers.len()));
         for i in 0..self.layers.len() {
-            let mut slots: Vec<&mut Option<(Tensor, Tensor)>> = caches.iter_mut().map(|c| &mut c.layers[i]).collect();
-            x = self.layer_packed(i, &x, &rope, lens, &mut slots)?;
+            x = self.layer_packed(i, &x, &rope, lens, caches)?;
         }
         self.final_norm(&x, None)
     }
@@ -232,7 +196,7 @@ impl TextDecoder {
     }
 
     /// Layer `i`: `x (B, T, H) -> (B, T, H)`, attention under `mask` then MLP, both pre-norm and
-    /// residual. With a cache `slot` the layer attends over the cached keys too and appends its own. The
+    /// residual. With a `cache` the layer appends its keys and values to it and attends over all of them. The
     /// training path passes a causal block-diagonal mask for packed sequences (`B == 1`).
     pub(crate) fn layer(
         &self,
@@ -240,12 +204,13 @@ impl TextDecoder {
         x: &Tensor,
         (rope, mask): (&(Tensor, Tensor), AttentionMask),
         key_padding: Option<&Tensor>,
-        slot: Option<&mut Option<(Tensor, Tensor)>>,
+        cache: Option<&mut KvCache>,
         train: Option<&TrainCtx>,
     ) -> Result<Tensor> {
         let (q, mut k, mut v) = self.qkv(i, x, rope, train)?;
-        if let Some(slot) = slot {
-            (k, v) = append(slot, k, v)?;
+        if let Some(cache) = cache {
+            cache.append(i, &k, &v)?;
+            (k, v) = cache.keys_values(i)?;
         }
         let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         let o = match train {
@@ -262,17 +227,24 @@ impl TextDecoder {
         x: &Tensor,
         rope: &(Tensor, Tensor),
         lens: &[usize],
-        slots: &mut [&mut Option<(Tensor, Tensor)>],
+        caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
         let (q, k, v) = self.qkv(i, x, rope, None)?;
         let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         let mut outs = Vec::with_capacity(lens.len());
         let mut start = 0;
-        for (&len, slot) in lens.iter().zip(slots.iter_mut()) {
+        for (&len, cache) in lens.iter().zip(caches.iter_mut()) {
             // (1, n, N, hd) -> this sequence's (1, n, len, hd)
             let part = |t: &Tensor| t.narrow(2, start, len);
-            let (k, v) = append(slot, part(&k)?, part(&v)?)?;
-            outs.push(crate::layers::attention(&part(&q)?, &k, &v, AttentionMask::Causal, None, scale, self.kernels)?);
+            cache.append(i, &part(&k)?, &part(&v)?)?;
+            let q = part(&q)?;
+            let o = if len <= PAGED_ROWS && q.device().is_cpu() && self.kernels == KernelChoice::Askgui {
+                askgui_kernels::ops::paged_attention(&q, &cache.blocks(i), scale)?
+            } else {
+                let (k, v) = cache.keys_values(i)?;
+                crate::layers::attention(&q, &k, &v, AttentionMask::Causal, None, scale, self.kernels)?
+            };
+            outs.push(o);
             start += len;
         }
         self.attn_out_mlp(i, x, &Tensor::cat(&outs, 2)?, None)
@@ -332,14 +304,4 @@ impl TextDecoder {
     pub fn dtype(&self) -> DType {
         self.embed_tokens.dtype()
     }
-}
-
-/// Appends new keys and values `(B, nkv, T, hd)` to a cache slot; returns the slot's full keys and values.
-fn append(slot: &mut Option<(Tensor, Tensor)>, k: Tensor, v: Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-    let (k, v) = match slot.as_ref() {
-        Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
-        None => (k, v),
-    };
-    *slot = Some((k.clone(), v.clone()));
-    Ok((k, v))
 }

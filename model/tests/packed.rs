@@ -8,7 +8,7 @@
 mod common;
 
 use askgui_model::model::positions_tensor;
-use askgui_model::text::KvCache;
+use askgui_model::KvCache;
 use askgui_model::Qwen2Vl;
 use candle_core::{DType, Device, Tensor};
 use common::*;

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 
 use askgui_model::model::positions_tensor;
-use askgui_model::text::KvCache;
+use askgui_model::KvCache;
 use askgui_model::Qwen2Vl;
 use candle_core::{DType, Tensor};
 

@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 
-use askgui_model::text::KvCache;
+use askgui_model::KvCache;
 
 /// Marks image positions in a key, so they never equal a token id (the hash keeps all its 64 bits).
 const IMAGE_BIT: u128 = 1 << 64;

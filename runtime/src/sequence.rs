@@ -8,7 +8,7 @@
 //! model was trained on.
 
 use askgui_model::mrope_positions;
-use askgui_model::text::KvCache;
+use askgui_model::KvCache;
 
 use crate::error::{Result, RuntimeError};
 use crate::forward::Forward;

@@ -148,7 +148,7 @@ impl Drop for Client<'_> {
 
 #[cfg(test)]
 mod tests {
-    use askgui_model::text::KvCache;
+    use askgui_model::KvCache;
 
     use super::*;
 

@@ -221,7 +221,7 @@ impl Runner {
 
 #[cfg(test)]
 mod tests {
-    use askgui_model::text::KvCache;
+    use askgui_model::KvCache;
 
     use super::*;
 

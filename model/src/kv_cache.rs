@@ -1,0 +1,209 @@
+//! The decoder's KV cache, kept in blocks of [`KV_BLOCK`] positions that caches share by reference, with an
+//! optional pool that bounds the bytes all caches hold together.
+//!
+//! Why blocks: a serving step appends one position per sequence, and a fork (action-name scoring, a
+//! session's next step, a cached prompt prefix) continues from its parent's cache. With one tensor per
+//! layer, each append copied the whole cache (`Tensor::cat`) and each fork its own copy of it. Here an
+//! append writes into the last block only (copying at most `KV_BLOCK` positions: the block a fork shares
+//! with its parent is copied when one of them writes into it, never the full ones), and a fork clones a
+//! list of block handles. Attention reads the blocks where they are
+//! ([`askgui_kernels::ops::paged_attention`]) on the CPU's decode path, and concatenates them elsewhere.
+//!
+//! Accounting: every block holds a ticket from its [`KvPool`]; the ticket goes back when the last cache
+//! holding the block drops it, so [`KvPool::blocks_in_use`] is the reference count of the whole pool and
+//! returns to zero when every sequence and cached prefix is gone, whatever ended them (a panic unwinds
+//! through the same drops). A pool with a byte budget refuses a block past it with
+//! [`ModelError::KvCacheFull`]: the caller decides whether to wait, drop cached prefixes or answer busy.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use crate::error::{ModelError, Result};
+
+/// Positions per block.
+pub const KV_BLOCK: usize = 32;
+
+/// Where the blocks of a set of caches come from: a count of live blocks and an optional budget.
+#[derive(Debug, Default)]
+pub struct KvPool {
+    in_use: AtomicUsize,
+    /// Most blocks at once; 0: no bound.
+    capacity: usize,
+}
+
+impl KvPool {
+    /// A pool of at most `capacity` blocks (0: unbounded).
+    pub fn new(capacity: usize) -> Arc<Self> {
+        Arc::new(Self { in_use: AtomicUsize::new(0), capacity })
+    }
+
+    /// The pool that `megabytes` of cache hold for a model whose one block (all layers, keys and values)
+    /// takes `block_bytes`; at least one block.
+    pub fn with_megabytes(megabytes: usize, block_bytes: usize) -> Arc<Self> {
+        Self::new(((megabytes << 20) / block_bytes.max(1)).max(1))
+    }
+
+    /// Blocks held by some cache now (a block shared by several caches counts once).
+    pub fn blocks_in_use(&self) -> usize {
+        self.in_use.load(Ordering::SeqCst)
+    }
+
+    /// The budget in blocks; 0 when unbounded.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn ticket(self: &Arc<Self>) -> Result<Arc<Ticket>> {
+        let taken = self.in_use.fetch_add(1, Ordering::SeqCst);
+        if self.capacity > 0 && taken >= self.capacity {
+            self.in_use.fetch_sub(1, Ordering::SeqCst);
+            return Err(ModelError::KvCacheFull { capacity: self.capacity });
+        }
+        Ok(Arc::new(Ticket(self.clone())))
+    }
+}
+
+/// One block's place in its pool, given back on drop.
+#[derive(Debug)]
+struct Ticket(Arc<KvPool>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.0.in_use.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Keys and values of up to [`KV_BLOCK`] positions of one layer, `(B, Hkv, n, D)`, contiguous.
+#[derive(Clone, Debug)]
+struct Block {
+    k: Tensor,
+    v: Tensor,
+    /// Counts the block once in the pool however many layers' slices and caches share it.
+    _ticket: Arc<Ticket>,
+}
+
+impl Block {
+    fn len(&self) -> usize {
+        self.k.dim(2).unwrap_or(0)
+    }
+}
+
+/// Per-layer rotated keys and values, in blocks; cloning a cache shares its blocks.
+#[derive(Default, Clone, Debug)]
+pub struct KvCache {
+    layers: Vec<Vec<Block>>,
+    /// The pool new blocks come from (none: an unbounded pool of this cache's own).
+    pool: Option<Arc<KvPool>>,
+}
+
+impl KvCache {
+    /// An empty cache whose blocks count against `pool`.
+    pub fn in_pool(pool: Arc<KvPool>) -> Self {
+        Self { layers: Vec::new(), pool: Some(pool) }
+    }
+
+    /// Number of cached positions (0 when empty).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |blocks| blocks.iter().map(Block::len).sum())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The cache of the first `len` positions (a prefix shared with another prompt): the full blocks below
+    /// `len` are shared, a block cut by `len` is narrowed (and copied at the next append).
+    pub fn truncated(&self, len: usize) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|blocks| {
+                let mut kept = Vec::new();
+                let mut at = 0;
+                for b in blocks {
+                    if at >= len {
+                        break;
+                    }
+                    let n = b.len().min(len - at);
+                    kept.push(if n == b.len() {
+                        b.clone()
+                    } else {
+                        Block { k: b.k.narrow(2, 0, n)?, v: b.v.narrow(2, 0, n)?, _ticket: b._ticket.clone() }
+                    });
+                    at += n;
+                }
+                Ok(kept)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { layers, pool: self.pool.clone() })
+    }
+
+    /// Bytes held by the keys and values (blocks shared with other caches included).
+    pub fn bytes(&self) -> usize {
+        let block = |b: &Block| (b.k.elem_count() + b.v.elem_count()) * b.k.dtype().size_in_bytes();
+        self.layers.iter().flatten().map(block).sum()
+    }
+
+    /// A cache with no layer yet gets `layers` empty ones.
+    pub(crate) fn fit(&mut self, layers: usize) {
+        if self.layers.is_empty() {
+            self.layers = vec![Vec::new(); layers];
+        }
+    }
+
+    /// Appends layer `i`'s new keys and values `(B, Hkv, T, D)`: the last block is filled up to
+    /// [`KV_BLOCK`] (a new tensor: whoever shares the old one keeps it), then new blocks take the rest.
+    pub(crate) fn append(&mut self, i: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let t = k.dim(2)?;
+        let mut at = 0;
+        if let Some(last) = self.layers[i].last() {
+            let room = KV_BLOCK - last.len().min(KV_BLOCK);
+            if room > 0 && t > 0 {
+                let m = room.min(t);
+                let grown = Block {
+                    // `cat` of strided pieces is strided: blocks stay contiguous for the paged attention.
+                    k: Tensor::cat(&[&last.k, &k.narrow(2, 0, m)?], 2)?.contiguous()?,
+                    v: Tensor::cat(&[&last.v, &v.narrow(2, 0, m)?], 2)?.contiguous()?,
+                    _ticket: self.ticket()?,
+                };
+                *self.layers[i].last_mut().expect("a last block") = grown;
+                at = m;
+            }
+        }
+        while at < t {
+            let m = KV_BLOCK.min(t - at);
+            let block = Block {
+                k: k.narrow(2, at, m)?.contiguous()?,
+                v: v.narrow(2, at, m)?.contiguous()?,
+                _ticket: self.ticket()?,
+            };
+            self.layers[i].push(block);
+            at += m;
+        }
+        Ok(())
+    }
+
+    /// Layer `i`'s blocks as `(k, v)` pairs, in order.
+    pub(crate) fn blocks(&self, i: usize) -> Vec<(Tensor, Tensor)> {
+        self.layers[i].iter().map(|b| (b.k.clone(), b.v.clone())).collect()
+    }
+
+    /// Layer `i`'s keys and values concatenated `(B, Hkv, len, D)` (a copy unless there is one block).
+    pub(crate) fn keys_values(&self, i: usize) -> Result<(Tensor, Tensor)> {
+        let blocks = &self.layers[i];
+        match blocks.as_slice() {
+            [one] => Ok((one.k.clone(), one.v.clone())),
+            _ => {
+                let ks: Vec<&Tensor> = blocks.iter().map(|b| &b.k).collect();
+                let vs: Vec<&Tensor> = blocks.iter().map(|b| &b.v).collect();
+                Ok((Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?))
+            }
+        }
+    }
+
+    fn ticket(&mut self) -> Result<Arc<Ticket>> {
+        self.pool.get_or_insert_with(|| KvPool::new(0)).ticket()
+    }
+}

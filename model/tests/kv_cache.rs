@@ -1,0 +1,159 @@
+//! The block KV cache: packed decode steps over caches that fork, share a prefix and go on after another
+//! sequence left give the logits of a full forward of each sequence's tokens; the pool's block count is
+//! the blocks alive (shared ones once), returns to zero when every cache is gone (a panicking holder
+//! included), and a full pool refuses with `KvCacheFull`.
+//!
+//! Tolerance for the logits: 1e-6 of the largest logit. The decode steps attend through
+//! `paged_attention` (f64 sums over the blocks in place) and the full forward through the GEMM attention
+//! over one concatenated prompt; both then run the same GEMMs on different row counts, so they differ by
+//! float reassociation only. A wrong block, a key attended twice or a lost append moves logits by 1e-2 or
+//! more.
+
+mod common;
+
+use askgui_model::model::positions_tensor;
+use askgui_model::{KvCache, KvPool, ModelError, Qwen2Vl, KV_BLOCK};
+use candle_core::{DType, Device, Tensor};
+use common::*;
+
+fn model() -> Qwen2Vl {
+    Qwen2Vl::load(fixtures().join("tiny-qwen2_5_vl").to_str().unwrap(), &Device::Cpu, DType::F32).unwrap()
+}
+
+fn ids(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (seed * 7919 + i * 104_729) % 200 + 1).collect()
+}
+
+fn embed(m: &Qwen2Vl, ids: &[u32]) -> Tensor {
+    m.embed(&Tensor::from_slice(ids, (1, ids.len()), &Device::Cpu).unwrap(), None).unwrap()
+}
+
+/// Logits `(T, V)` of `ids` from one forward on a fresh cache.
+fn full_logits(m: &Qwen2Vl, ids: &[u32]) -> Tensor {
+    let n = ids.len();
+    let pos = positions_tensor(&[(0..n).map(|p| [p as u32; 3]).collect()], n).unwrap();
+    let hidden = m.decode(&embed(m, ids), &pos, None, &mut m.new_cache()).unwrap();
+    m.logits(&hidden.squeeze(0).unwrap()).unwrap()
+}
+
+/// One packed step: sequence `s` feeds `news[s]` after its cache; returns each sequence's logits rows.
+fn step(m: &Qwen2Vl, caches: &mut [&mut KvCache], news: &[&[u32]]) -> Vec<Tensor> {
+    let rows: Vec<u32> = news.concat();
+    let pos: Vec<[u32; 3]> =
+        caches.iter().zip(news).flat_map(|(c, n)| (c.len()..c.len() + n.len()).map(|p| [p as u32; 3])).collect();
+    let lens: Vec<usize> = news.iter().map(|n| n.len()).collect();
+    let hidden = m.decode_packed(&embed(m, &rows), &positions_tensor(&[pos], rows.len()).unwrap(), &lens, caches);
+    let logits = m.logits(&hidden.unwrap().squeeze(0).unwrap()).unwrap();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for n in lens {
+        out.push(logits.narrow(0, at, n).unwrap());
+        at += n;
+    }
+    out
+}
+
+fn close(what: &str, got: &Tensor, want: &Tensor) {
+    let (max, _, scale) = diff(got, want);
+    assert!(max <= 1e-6 * scale.max(1.0), "{what}: max |diff| {max:e} > 1e-6 x {scale:e}");
+}
+
+#[test]
+fn forks_and_shared_prefixes_decode_as_full_forwards() {
+    let m = model();
+    let pool = KvPool::new(0);
+    // A: a 100-token prompt (three full blocks and four positions).
+    let a_ids = ids(1, 100);
+    let mut a = KvCache::in_pool(pool.clone());
+    step(&m, &mut [&mut a], &[&a_ids]);
+    // B: A's first 70 positions (a block cut in two), going on its own way; C: all of A, shared.
+    let mut b = a.truncated(70).unwrap();
+    let mut c = a.clone();
+    let mut b_ids = a_ids[..70].to_vec();
+    let mut c_ids = a_ids.clone();
+    let mut a_ids = a_ids;
+    // One round with all three (B feeds 3 tokens), then A leaves and B and C go on past block boundaries.
+    let (a_new, b_new, c_new) = ([7u32], [11u32, 12, 13], [17u32]);
+    let outs = step(&m, &mut [&mut a, &mut b, &mut c], &[&a_new, &b_new, &c_new]);
+    for (name, seq, new, out) in [
+        ("A", &mut a_ids, &a_new[..], &outs[0]),
+        ("B", &mut b_ids, &b_new[..], &outs[1]),
+        ("C", &mut c_ids, &c_new[..], &outs[2]),
+    ] {
+        seq.extend_from_slice(new);
+        let n = new.len();
+        close(
+            &format!("{name} after the first round"),
+            out,
+            &full_logits(&m, seq).narrow(0, seq.len() - n, n).unwrap(),
+        );
+    }
+    drop(a);
+    for round in 0..2 * KV_BLOCK {
+        let (bt, ct) = (100 + round as u32 % 50, 150 + round as u32 % 40);
+        let outs = step(&m, &mut [&mut b, &mut c], &[&[bt], &[ct]]);
+        b_ids.push(bt);
+        c_ids.push(ct);
+        if round % 16 == 15 {
+            close(
+                &format!("B at {}", b_ids.len()),
+                &outs[0],
+                &full_logits(&m, &b_ids).narrow(0, b_ids.len() - 1, 1).unwrap(),
+            );
+            close(
+                &format!("C at {}", c_ids.len()),
+                &outs[1],
+                &full_logits(&m, &c_ids).narrow(0, c_ids.len() - 1, 1).unwrap(),
+            );
+        }
+    }
+    assert_eq!((b.len(), c.len()), (b_ids.len(), c_ids.len()));
+    drop((b, c));
+    assert_eq!(pool.blocks_in_use(), 0, "every block goes back when its last cache is dropped");
+}
+
+#[test]
+fn blocks_are_counted_once_however_shared_and_returned_whatever_ends_a_sequence() {
+    let m = model();
+    let layers = m.cfg.text.num_hidden_layers;
+    let pool = KvPool::new(0);
+    let mut a = KvCache::in_pool(pool.clone());
+    step(&m, &mut [&mut a], &[&ids(2, 3 * KV_BLOCK + 4)]);
+    assert_eq!(pool.blocks_in_use(), 4 * layers, "three full blocks and a partial one per layer");
+    let mut b = a.truncated(2 * KV_BLOCK + 6).unwrap();
+    let c = a.clone();
+    assert_eq!(pool.blocks_in_use(), 4 * layers, "a fork and a prefix share every block");
+    step(&m, &mut [&mut b], &[&[5]]);
+    assert_eq!(pool.blocks_in_use(), 5 * layers, "writing into a shared, cut block copies that block only");
+    // A holder that panics gives its blocks back as it unwinds.
+    let mut d = c.clone();
+    let panicked = std::thread::spawn(move || {
+        step(&m, &mut [&mut d], &[&[9; KV_BLOCK]]);
+        panic!("a job dies holding its cache");
+    })
+    .join();
+    assert!(panicked.is_err());
+    assert_eq!(pool.blocks_in_use(), 5 * layers, "the panicked holder's new blocks went back");
+    drop((a, b, c));
+    assert_eq!(pool.blocks_in_use(), 0);
+}
+
+#[test]
+fn a_full_pool_refuses_new_blocks_and_recovers() {
+    let m = model();
+    let layers = m.cfg.text.num_hidden_layers;
+    let pool = KvPool::new(2 * layers);
+    let mut a = KvCache::in_pool(pool.clone());
+    step(&m, &mut [&mut a], &[&ids(3, 2 * KV_BLOCK)]);
+    assert_eq!(pool.blocks_in_use(), 2 * layers);
+    let mut b = KvCache::in_pool(pool.clone());
+    let n = 4;
+    let pos = positions_tensor(&[(0..n).map(|p| [p as u32; 3]).collect()], n).unwrap();
+    let err = m.decode_packed(&embed(&m, &ids(4, n)), &pos, &[n], &mut [&mut b]).unwrap_err();
+    assert!(matches!(err, ModelError::KvCacheFull { capacity } if capacity == 2 * layers), "{err}");
+    drop((a, b));
+    assert_eq!(pool.blocks_in_use(), 0, "a failed append leaves nothing behind once its cache is dropped");
+    let mut c = KvCache::in_pool(pool.clone());
+    step(&m, &mut [&mut c], &[&ids(5, KV_BLOCK)]);
+    assert_eq!(pool.blocks_in_use(), layers, "the pool serves again");
+}
