@@ -29,6 +29,8 @@ pub const KV_BLOCK: usize = 32;
 #[derive(Debug, Default)]
 pub struct KvPool {
     in_use: AtomicUsize,
+    /// Blocks promised to prompts admitted but not yet run ([`KvPool::reserve`]).
+    reserved: AtomicUsize,
     /// Most blocks at once; 0: no bound.
     capacity: usize,
 }
@@ -36,7 +38,7 @@ pub struct KvPool {
 impl KvPool {
     /// A pool of at most `capacity` blocks (0: unbounded).
     pub fn new(capacity: usize) -> Arc<Self> {
-        Arc::new(Self { in_use: AtomicUsize::new(0), capacity })
+        Arc::new(Self { in_use: AtomicUsize::new(0), reserved: AtomicUsize::new(0), capacity })
     }
 
     /// The pool that `megabytes` of cache hold for a model whose one block (all layers, keys and values)
@@ -55,6 +57,21 @@ impl KvPool {
         self.capacity
     }
 
+    /// Promises `blocks` to a prompt about to run, so that prompts admitted together cannot together
+    /// overrun the budget before any of them has allocated; refused with [`ModelError::KvCacheFull`] when
+    /// the blocks in use and promised leave too little. An unbounded pool promises anything.
+    pub fn reserve(self: &Arc<Self>, blocks: usize) -> Result<Reservation> {
+        if self.capacity == 0 {
+            return Ok(Reservation { pool: self.clone(), blocks: 0 });
+        }
+        let promised = self.reserved.fetch_add(blocks, Ordering::SeqCst) + blocks;
+        if self.blocks_in_use() + promised > self.capacity {
+            self.reserved.fetch_sub(blocks, Ordering::SeqCst);
+            return Err(ModelError::KvCacheFull { capacity: self.capacity });
+        }
+        Ok(Reservation { pool: self.clone(), blocks })
+    }
+
     fn ticket(self: &Arc<Self>) -> Result<Arc<Ticket>> {
         let taken = self.in_use.fetch_add(1, Ordering::SeqCst);
         if self.capacity > 0 && taken >= self.capacity {
@@ -62,6 +79,20 @@ impl KvPool {
             return Err(ModelError::KvCacheFull { capacity: self.capacity });
         }
         Ok(Arc::new(Ticket(self.clone())))
+    }
+}
+
+/// Blocks promised by [`KvPool::reserve`], released on drop (once the prompt has run and its blocks
+/// count as in use).
+#[derive(Debug)]
+pub struct Reservation {
+    pool: Arc<KvPool>,
+    blocks: usize,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.pool.reserved.fetch_sub(self.blocks, Ordering::SeqCst);
     }
 }
 

@@ -39,7 +39,7 @@ pub use device::{bind_thread, pin_cpu_threads, DTypeChoice, DeviceKind, KernelCh
 pub use error::{ModelError, Result};
 pub use generate::{generate, FinishReason, Generation, Prompt, SamplingParams, Timings};
 pub use image::{load_image, preprocess, preprocess_batch, ImageProcessorConfig, PreprocessedBatch, ProcessedImage};
-pub use kv_cache::{KvCache, KvPool, KV_BLOCK};
+pub use kv_cache::{KvCache, KvPool, Reservation, KV_BLOCK};
 pub use model::{mrope_positions, Qwen2Vl};
 pub use peft::{AdapterLayout, LoraConfig};
 pub use train::{master_dtype, StepOptions, StepOutput, TrainExample};

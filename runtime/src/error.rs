@@ -14,6 +14,9 @@ pub enum RuntimeError {
     /// The caller's `cancelled` said so.
     #[error("the client went away")]
     Cancelled,
+    /// No room in the KV cache for this prompt now; the running sequences will make some.
+    #[error("the KV cache is full ({capacity} blocks in use); retry shortly, or raise the cache's size")]
+    KvCacheFull { capacity: usize },
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -29,6 +32,7 @@ impl From<ModelError> for RuntimeError {
             | ModelError::ImageTooSmall { .. }
             | ModelError::Tiling { .. }
             | ModelError::Prompt(_) => RuntimeError::BadInput(e.to_string()),
+            ModelError::KvCacheFull { capacity } => RuntimeError::KvCacheFull { capacity },
             e => RuntimeError::Internal(e.to_string()),
         }
     }

@@ -89,6 +89,14 @@ impl PrefixCache {
         Some((len, cache))
     }
 
+    /// Drops the oldest entry (its blocks go back to the pool unless a sequence still shares them);
+    /// false when there was none.
+    pub fn evict_oldest(&mut self) -> bool {
+        let Some(old) = self.entries.pop_front() else { return false };
+        self.bytes -= old.bytes;
+        true
+    }
+
     /// Keeps `cache`, the keys and values of exactly the prompt `key`.
     pub fn insert(&mut self, adapter: Option<&str>, key: Vec<u128>, cache: KvCache) {
         let bytes = cache.bytes() + key.len() * 16;

@@ -2,11 +2,11 @@
 //! constrained decoding allows, and the caches, shared by the threads of concurrent jobs. Each stage of
 //! the chain adds its methods in its own file (`prompt`, `step`, `constrained`, `complete`).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use askgui_data::prompt::IM_END;
 use askgui_data::{PromptConfig, PromptFlags};
-use askgui_model::{ImageProcessorConfig, ModelConfig, Qwen2Vl, QwenTokenizer};
+use askgui_model::{ImageProcessorConfig, KvPool, ModelConfig, Qwen2Vl, QwenTokenizer, Reservation, KV_BLOCK};
 
 use crate::cache::ByteCache;
 use crate::error::{Result, RuntimeError};
@@ -14,6 +14,10 @@ use crate::prefix_cache::PrefixCache;
 
 /// The prefix cache's size when nothing says otherwise.
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 256 << 20;
+
+/// Blocks per layer a prompt's admission keeps free beyond the prompt's own: the first tokens of its
+/// answer, and the copy of the last block that each of the 15 action-name forks writes.
+const ANSWER_BLOCKS: usize = 18;
 
 /// Answer length of an agent step when the options do not say.
 pub const DEFAULT_STEP_TOKENS: usize = 128;
@@ -41,6 +45,10 @@ pub struct Runtime {
     pub(crate) string_token: Vec<bool>,
     pub(crate) images: Mutex<ByteCache<u64, std::sync::Arc<askgui_model::ProcessedImage>>>,
     pub(crate) prefixes: Mutex<PrefixCache>,
+    /// Where every sequence's KV blocks come from, and the bound on them.
+    pub(crate) kv_pool: Arc<KvPool>,
+    /// Bytes of one layer's keys and values of [`KV_BLOCK`] positions.
+    kv_block_bytes: usize,
 }
 
 impl Runtime {
@@ -87,7 +95,42 @@ impl Runtime {
             string_token,
             images: Mutex::new(ByteCache::new()),
             prefixes: Mutex::new(PrefixCache::new(DEFAULT_PREFIX_CACHE_BYTES)),
+            kv_pool: KvPool::new(0),
+            kv_block_bytes: 2
+                * model.cfg.text.num_key_value_heads
+                * KV_BLOCK
+                * model.cfg.text.head_dim()
+                * model.dtype().size_in_bytes(),
         })
+    }
+
+    /// Bounds the KV caches of all sequences and cached prefixes together to `megabytes` (0: no bound).
+    /// A prompt that does not fit drops cached prefixes, oldest first, and is refused with
+    /// [`RuntimeError::KvCacheFull`] if it still does not.
+    pub fn with_kv_cache_mb(mut self, megabytes: f64) -> Self {
+        let blocks = (megabytes * (1u64 << 20) as f64 / self.kv_block_bytes as f64) as usize;
+        self.kv_pool = KvPool::new(if megabytes > 0.0 { blocks.max(1) } else { 0 });
+        self
+    }
+
+    /// The KV block pool (for its counts).
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.kv_pool
+    }
+
+    /// Reserves room for a prompt of `new_tokens` more positions until it has run: its blocks in every
+    /// layer plus [`ANSWER_BLOCKS`]. Drops cached prefixes, oldest first, while the pool is short, and
+    /// answers [`RuntimeError::KvCacheFull`] when that is not enough.
+    pub(crate) fn admit(&self, new_tokens: usize) -> Result<Reservation> {
+        let need = self.cfg.text.num_hidden_layers * (new_tokens.div_ceil(KV_BLOCK) + ANSWER_BLOCKS);
+        let mut prefixes = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            match self.kv_pool.reserve(need) {
+                Ok(room) => return Ok(room),
+                Err(e) if !prefixes.evict_oldest() => return Err(e.into()),
+                Err(_) => {}
+            }
+        }
     }
 
     /// Sets the prefix cache's size in bytes (0: no reuse).

@@ -46,7 +46,8 @@ impl<'f> Seq<'f> {
         let key = prompt_key(ids, rt.cfg.image_token_id, &hashes);
         let adapter = fwd.adapter();
         let found = rt.prefixes.lock().unwrap_or_else(|p| p.into_inner()).lookup(adapter, &key);
-        let (start, cache) = found.unwrap_or_default();
+        let (start, cache) = found.unwrap_or_else(|| (0, KvCache::in_pool(rt.kv_pool.clone())));
+        let _room = rt.admit(ids.len() - start)?;
         let item = Item {
             ids: ids[start..].to_vec(),
             positions: pos[start..].to_vec(),

@@ -124,6 +124,9 @@ pub enum BackendError {
     ContextOverflow { tokens: usize, limit: usize },
     #[error("the client went away")]
     Cancelled,
+    /// No room for the job now (the KV cache is full); retrying later will do.
+    #[error("{0}")]
+    Busy(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -135,6 +138,7 @@ impl From<askgui_runtime::RuntimeError> for BackendError {
             R::BadInput(m) => BackendError::BadInput(m),
             R::ContextOverflow { tokens, limit } => BackendError::ContextOverflow { tokens, limit },
             R::Cancelled => BackendError::Cancelled,
+            e @ R::KvCacheFull { .. } => BackendError::Busy(e.to_string()),
             R::Internal(m) => BackendError::Internal(m),
         }
     }
@@ -160,6 +164,8 @@ pub trait Intake {
     fn record_batch(&mut self, sequences: usize);
     /// Records one batched vision forward over `images` screenshots.
     fn record_vision_batch(&mut self, images: usize);
+    /// Records the KV blocks in use after a forward, and the pool's capacity (0: unbounded).
+    fn record_kv_blocks(&mut self, _in_use: usize, _capacity: usize) {}
     /// The most jobs a backend may run at once (`--max-batch`).
     fn max_batch(&self) -> usize;
 }

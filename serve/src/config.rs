@@ -91,6 +91,10 @@ pub struct Config {
     /// only the rest (0: off).
     #[arg(long, env = "ASKGUI_SERVE_PREFIX_CACHE_MB", default_value_t = 256)]
     pub prefix_cache_mb: usize,
+    /// MiB for the KV caches of every running job and cached prefix together; a prompt that does not fit
+    /// drops cached prefixes, then is answered 503 with Retry-After (0: no bound).
+    #[arg(long, env = "ASKGUI_SERVE_KV_CACHE_MB", default_value_t = 4096.0)]
+    pub kv_cache_mb: f64,
     /// Jobs waiting for the backend beyond this are refused with 429.
     #[arg(long, env = "ASKGUI_SERVE_MAX_QUEUE", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_queue: u32,

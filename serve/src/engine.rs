@@ -270,6 +270,10 @@ impl Intake for Queue<'_> {
         self.shared.metrics.observe_vision_batch(images);
     }
 
+    fn record_kv_blocks(&mut self, in_use: usize, capacity: usize) {
+        self.shared.metrics.set_kv_blocks(in_use, capacity);
+    }
+
     fn max_batch(&self) -> usize {
         self.max_batch
     }

@@ -145,6 +145,7 @@ impl From<BackendError> for HttpError {
             }
             // Only reaches a client if a backend cancels a job whose client is still there.
             BackendError::Cancelled => Self::internal("the request was cancelled by the server"),
+            BackendError::Busy(_) => Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
             BackendError::Internal(_) => Self::internal(e.to_string()),
         }
     }
@@ -173,6 +174,8 @@ mod tests {
         assert_eq!((e.status.as_u16(), e.retry_after), (503, None));
         let e: HttpError = BackendError::ContextOverflow { tokens: 10, limit: 5 }.into();
         assert_eq!(e.status.as_u16(), 400);
+        let e: HttpError = BackendError::Busy("the KV cache is full".into()).into();
+        assert_eq!((e.status.as_u16(), e.retry_after), (503, Some(1)));
         let e: HttpError = BackendError::Internal("boom".into()).into();
         assert_eq!((e.status.as_u16(), e.body()["error"]["type"].as_str()), (500, Some("server_error")));
         let e = HttpError::not_found("no model `x`").with_code("model_not_found");

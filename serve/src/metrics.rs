@@ -76,6 +76,8 @@ pub struct Metrics {
     completion_tokens: AtomicU64,
     cancelled: AtomicU64,
     panics: AtomicU64,
+    kv_in_use: AtomicU64,
+    kv_capacity: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -92,6 +94,8 @@ impl Default for Metrics {
             completion_tokens: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             panics: AtomicU64::new(0),
+            kv_in_use: AtomicU64::new(0),
+            kv_capacity: AtomicU64::new(0),
         }
     }
 }
@@ -124,6 +128,12 @@ impl Metrics {
     }
 
     /// One batched vision forward's screenshots (cached screenshots are not encoded, so not counted).
+    /// The KV blocks in use and the pool's capacity (0: unbounded), as of the last forward.
+    pub fn set_kv_blocks(&self, in_use: usize, capacity: usize) {
+        self.kv_in_use.store(in_use as u64, Ordering::Relaxed);
+        self.kv_capacity.store(capacity as u64, Ordering::Relaxed);
+    }
+
     pub fn observe_vision_batch(&self, images: usize) {
         self.vision_batches.lock().unwrap_or_else(|p| p.into_inner()).observe(images as f64);
     }
@@ -203,6 +213,15 @@ impl Metrics {
         out.push_str("# HELP askgui_prefix_cache_hits_total Agent steps that reused a cached prompt prefix.\n");
         out.push_str("# TYPE askgui_prefix_cache_hits_total counter\n");
         let _ = writeln!(out, "askgui_prefix_cache_hits_total {}", self.prefix_hits.load(Ordering::Relaxed));
+        let (kv_used, kv_cap) = (self.kv_in_use.load(Ordering::Relaxed), self.kv_capacity.load(Ordering::Relaxed));
+        out.push_str("# HELP askgui_kv_blocks_in_use KV cache blocks (one layer, 32 positions) held by sequences and cached prefixes.\n");
+        out.push_str("# TYPE askgui_kv_blocks_in_use gauge\n");
+        let _ = writeln!(out, "askgui_kv_blocks_in_use {kv_used}");
+        if kv_cap > 0 {
+            out.push_str("# HELP askgui_kv_blocks_free KV cache blocks left under --kv-cache-mb.\n");
+            out.push_str("# TYPE askgui_kv_blocks_free gauge\n");
+            let _ = writeln!(out, "askgui_kv_blocks_free {}", kv_cap.saturating_sub(kv_used));
+        }
         out.push_str("# HELP askgui_tokens_total Tokens processed: prompt (images included) and completion.\n");
         out.push_str("# TYPE askgui_tokens_total counter\n");
         let _ = writeln!(out, "askgui_tokens_total{{kind=\"prompt\"}} {}", self.prompt_tokens.load(Ordering::Relaxed));

@@ -36,6 +36,8 @@ pub struct ModelBackendConfig {
     pub adapters: Vec<(String, PathBuf)>,
     /// Bytes of prompt KV caches kept for reuse ([`crate::prefix_cache`]); 0 turns reuse off.
     pub prefix_cache_bytes: usize,
+    /// MiB for the KV caches of all jobs and cached prefixes together (0: no bound).
+    pub kv_cache_mb: f64,
     /// The flags of the prompt settings (system prompt, pixel bounds); unset ones take the askgui.json
     /// of the adapters or of the model folder ([`served_card`]).
     pub prompt: PromptFlags,
@@ -57,6 +59,7 @@ impl From<&Config> for ModelBackendConfig {
             model: cfg.model.clone(),
             adapters: cfg.adapters.iter().map(|a| (a.name.clone(), a.dir.clone())).collect(),
             prefix_cache_bytes: cfg.prefix_cache_mb << 20,
+            kv_cache_mb: cfg.kv_cache_mb,
             prompt: PromptFlags {
                 system_prompt: cfg.system_prompt,
                 min_pixels: cfg.min_pixels,
@@ -148,6 +151,7 @@ impl ModelBackend {
         Ok(Self::new(model, &cfg.model, prompt)?
             .with_pause_levels(pauses)
             .with_prefix_cache(cfg.prefix_cache_bytes)
+            .with_kv_cache_mb(cfg.kv_cache_mb)
             .with_prefill_chunk(cfg.prefill_chunk))
     }
 
@@ -158,7 +162,8 @@ impl ModelBackend {
         adapters.sort();
         let info = BackendInfo { model: model_id.into(), adapters, context_length: runtime.context_length() };
         let jobs = Jobs { runtime, info, pauses: PauseLevels::default() };
-        Ok(Self { runner: Runner::new(Packed::new(model)), jobs })
+        let kv_pool = jobs.runtime.kv_pool().clone();
+        Ok(Self { runner: Runner::new(Packed::new(model), kv_pool), jobs })
     }
 
     /// Sets the calibrated pause thresholds requests default to.
@@ -176,6 +181,15 @@ impl ModelBackend {
     pub fn with_prefix_cache(self, bytes: usize) -> Self {
         let Self { runner, jobs: Jobs { runtime, info, pauses } } = self;
         Self { runner, jobs: Jobs { runtime: runtime.with_prefix_cache(bytes), info, pauses } }
+    }
+
+    /// Bounds the KV caches of all jobs and cached prefixes to `megabytes` (0: no bound); a prompt that
+    /// does not fit after dropping cached prefixes is answered 503.
+    pub fn with_kv_cache_mb(self, megabytes: f64) -> Self {
+        let Self { mut runner, jobs: Jobs { runtime, info, pauses } } = self;
+        let runtime = runtime.with_kv_cache_mb(megabytes);
+        runner.kv_pool = runtime.kv_pool().clone();
+        Self { runner, jobs: Jobs { runtime, info, pauses } }
     }
 
     /// Sets the prefill chunk: the most new tokens of one sequence in one forward (`usize::MAX`: none).

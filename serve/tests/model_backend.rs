@@ -469,3 +469,41 @@ fn an_int8_model_serves_on_the_cpu() -> anyhow::Result<()> {
     assert!((got - want).abs() < 0.05, "int8 {got} against f32 {want}");
     Ok(())
 }
+
+/// The KV block pool (`--kv-cache-mb`) with room for one job: of six jobs started together, the first
+/// admitted runs and the others are refused as busy (503 over HTTP) instead of overrunning the pool; a job
+/// alone afterwards is answered; and with the prefix cache off no block is left once jobs are done, a
+/// cancelled job's included. One step of the tiny model holds about 104 blocks of 8 KiB (a ~1,150-token
+/// prompt in two layers, plus the action-name forks); admission asks for 108, so 150 fit one job, not two.
+#[test]
+fn a_full_kv_cache_refuses_jobs_and_the_backend_recovers() -> anyhow::Result<()> {
+    let one_job = 150.0 * 8192.0 / (1u64 << 20) as f64;
+    let mut b = backend(false)?.with_prefix_cache(0).with_kv_cache_mb(one_job);
+    let pool = b.runtime().kv_pool().clone();
+    assert_eq!(pool.capacity(), 150);
+    let opts = StepOptions { max_tokens: Some(16), ..Default::default() };
+    let (jobs, rxs): (Vec<Job>, Vec<_>) =
+        (0..6).map(|_| Job::new(JobKind::Step(step_job("Call mum", opts.clone())), None)).unzip();
+    let mut intake = Recorder { later: vec![], batches: vec![], vision: vec![] };
+    b.run_continuous(jobs, &mut intake);
+    let (mut answered, mut busy) = (0, 0);
+    for rx in rxs {
+        match rx.blocking_recv()? {
+            Ok(JobOutput::Step(_)) => answered += 1,
+            Err(BackendError::Busy(m)) => {
+                assert!(m.contains("KV cache is full"), "{m}");
+                busy += 1;
+            }
+            other => panic!("neither an answer nor busy: {other:?}"),
+        }
+    }
+    eprintln!("{answered} answered, {busy} busy");
+    assert!(answered >= 1 && busy >= 1, "{answered} answered, {busy} busy");
+    assert_eq!(pool.blocks_in_use(), 0, "every block back once the jobs are done");
+    b.step(&step_job("Call mum", opts.clone()), NEVER)?;
+    assert_eq!(pool.blocks_in_use(), 0);
+    let cancelled = b.step(&step_job("Call mum", opts), &|| true);
+    assert!(matches!(cancelled, Err(BackendError::Cancelled)), "{cancelled:?}");
+    assert_eq!(pool.blocks_in_use(), 0, "a cancelled job's blocks go back");
+    Ok(())
+}

@@ -11,8 +11,10 @@
 //! with a long new prompt wait for one chunk of it per forward, not for all of it.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 use std::time::Duration;
 
+use askgui_model::KvPool;
 use askgui_runtime::{Item, ItemOut, Packed, RuntimeError};
 use candle_core::Tensor;
 
@@ -29,6 +31,8 @@ const ROUND_WAIT: Duration = Duration::from_millis(2);
 /// The model's owner: runs packed forwards for the jobs' [`Ticket`]s.
 pub(super) struct Runner {
     pub(super) packed: Packed,
+    /// The KV blocks' pool (the runtime's), for the metrics.
+    pub(super) kv_pool: Arc<KvPool>,
     /// Rows of one sequence per forward.
     pub(super) prefill_chunk: usize,
     /// Prefills part way through their chunks.
@@ -61,8 +65,8 @@ impl Held {
 }
 
 impl Runner {
-    pub(super) fn new(packed: Packed) -> Self {
-        Self { packed, prefill_chunk: PREFILL_CHUNK, held: Vec::new() }
+    pub(super) fn new(packed: Packed, kv_pool: Arc<KvPool>) -> Self {
+        Self { packed, kv_pool, prefill_chunk: PREFILL_CHUNK, held: Vec::new() }
     }
 
     /// Runs rounds until no job is live. Between rounds, new jobs from `intake` (while fewer than its
@@ -131,6 +135,7 @@ impl Runner {
                 self.pack(pack, held, intake);
             }
         }
+        intake.record_kv_blocks(self.kv_pool.blocks_in_use(), self.kv_pool.capacity());
     }
 
     /// One packed forward over every item of `tickets` and the next chunk of every prefill in `held`
