@@ -13,7 +13,8 @@
 //! holding the block drops it, so [`KvPool::blocks_in_use`] is the reference count of the whole pool and
 //! returns to zero when every sequence and cached prefix is gone, whatever ended them (a panic unwinds
 //! through the same drops). A pool with a byte budget refuses a block past it with
-//! [`ModelError::KvCacheFull`]: the caller decides whether to wait, drop cached prefixes or answer busy.
+//! [`ModelError::KvCacheFull`]: the caller decides whether to wait, drop cached prefixes or answer busy;
+//! a cache whose append failed may hold some layers' new positions and not others', and is dropped.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -72,13 +73,14 @@ impl KvPool {
         Ok(Reservation { pool: self.clone(), blocks })
     }
 
-    fn ticket(self: &Arc<Self>) -> Result<Arc<Ticket>> {
-        let taken = self.in_use.fetch_add(1, Ordering::SeqCst);
-        if self.capacity > 0 && taken >= self.capacity {
-            self.in_use.fetch_sub(1, Ordering::SeqCst);
+    /// A ticket for `blocks` blocks' worth of positions.
+    fn ticket(self: &Arc<Self>, blocks: usize) -> Result<Arc<Ticket>> {
+        let taken = self.in_use.fetch_add(blocks, Ordering::SeqCst);
+        if self.capacity > 0 && taken + blocks > self.capacity {
+            self.in_use.fetch_sub(blocks, Ordering::SeqCst);
             return Err(ModelError::KvCacheFull { capacity: self.capacity });
         }
-        Ok(Arc::new(Ticket(self.clone())))
+        Ok(Arc::new(Ticket { pool: self.clone(), blocks }))
     }
 }
 
@@ -96,17 +98,21 @@ impl Drop for Reservation {
     }
 }
 
-/// One block's place in its pool, given back on drop.
+/// A block's place in its pool (a whole layer's worth on a GPU, see [`KvCache`]), given back on drop.
 #[derive(Debug)]
-struct Ticket(Arc<KvPool>);
+struct Ticket {
+    pool: Arc<KvPool>,
+    blocks: usize,
+}
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.0.in_use.fetch_sub(1, Ordering::SeqCst);
+        self.pool.in_use.fetch_sub(self.blocks, Ordering::SeqCst);
     }
 }
 
-/// Keys and values of up to [`KV_BLOCK`] positions of one layer, `(B, Hkv, n, D)`, contiguous.
+/// Keys and values of up to [`KV_BLOCK`] positions of one layer (on the CPU; all of the layer's elsewhere),
+/// `(B, Hkv, n, D)`, contiguous.
 #[derive(Clone, Debug)]
 struct Block {
     k: Tensor,
@@ -122,17 +128,31 @@ impl Block {
 }
 
 /// Per-layer rotated keys and values, in blocks; cloning a cache shares its blocks.
+///
+/// On the CPU the blocks are [`KV_BLOCK`] positions each and decode steps attend through them in place. On
+/// other devices each layer is one block that every append replaces by a longer copy, as a plain cache
+/// would: their attention kernels want one tensor, and concatenating dozens of blocks per layer and step
+/// would cost a kernel launch each (a paged GPU kernel is not written yet). Such a block holds tickets for
+/// the [`KV_BLOCK`]s its positions fill, so the pool's budget means the same on every device.
 #[derive(Default, Clone, Debug)]
 pub struct KvCache {
     layers: Vec<Vec<Block>>,
     /// The pool new blocks come from (none: an unbounded pool of this cache's own).
     pool: Option<Arc<KvPool>>,
+    /// One block per layer whatever the device (what caches off the CPU do).
+    whole: bool,
 }
 
 impl KvCache {
     /// An empty cache whose blocks count against `pool`.
     pub fn in_pool(pool: Arc<KvPool>) -> Self {
-        Self { layers: Vec::new(), pool: Some(pool) }
+        Self { layers: Vec::new(), pool: Some(pool), whole: false }
+    }
+
+    /// [`Self::in_pool`] with one block per layer, as off the CPU, on any device (to test that layout on
+    /// a machine without a GPU).
+    pub fn whole_in_pool(pool: Arc<KvPool>) -> Self {
+        Self { whole: true, ..Self::in_pool(pool) }
     }
 
     /// Number of cached positions (0 when empty).
@@ -168,7 +188,7 @@ impl KvCache {
                 Ok(kept)
             })
             .collect::<Result<_>>()?;
-        Ok(Self { layers, pool: self.pool.clone() })
+        Ok(Self { layers, pool: self.pool.clone(), whole: self.whole })
     }
 
     /// Bytes held by the keys and values (blocks shared with other caches included).
@@ -187,6 +207,9 @@ impl KvCache {
     /// Appends layer `i`'s new keys and values `(B, Hkv, T, D)`: the last block is filled up to
     /// [`KV_BLOCK`] (a new tensor: whoever shares the old one keeps it), then new blocks take the rest.
     pub(crate) fn append(&mut self, i: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        if self.whole || !k.device().is_cpu() {
+            return self.append_whole(i, k, v);
+        }
         let t = k.dim(2)?;
         let mut at = 0;
         if let Some(last) = self.layers[i].last() {
@@ -194,10 +217,10 @@ impl KvCache {
             if room > 0 && t > 0 {
                 let m = room.min(t);
                 let grown = Block {
-                    // `cat` of strided pieces is strided: blocks stay contiguous for the paged attention.
-                    k: Tensor::cat(&[&last.k, &k.narrow(2, 0, m)?], 2)?.contiguous()?,
-                    v: Tensor::cat(&[&last.v, &v.narrow(2, 0, m)?], 2)?.contiguous()?,
-                    _ticket: self.ticket()?,
+                    // `cat` of contiguous pieces is contiguous, as the paged attention wants.
+                    k: Tensor::cat(&[&last.k.contiguous()?, &k.narrow(2, 0, m)?.contiguous()?], 2)?,
+                    v: Tensor::cat(&[&last.v.contiguous()?, &v.narrow(2, 0, m)?.contiguous()?], 2)?,
+                    _ticket: self.ticket(1)?,
                 };
                 *self.layers[i].last_mut().expect("a last block") = grown;
                 at = m;
@@ -208,11 +231,27 @@ impl KvCache {
             let block = Block {
                 k: k.narrow(2, at, m)?.contiguous()?,
                 v: v.narrow(2, at, m)?.contiguous()?,
-                _ticket: self.ticket()?,
+                _ticket: self.ticket(1)?,
             };
             self.layers[i].push(block);
             at += m;
         }
+        Ok(())
+    }
+
+    /// [`Self::append`] off the CPU: layer `i`'s one block replaced by itself and the new positions. The
+    /// old block is let go before the new one's ticket is taken, so a growing cache does not count twice
+    /// (a cache whose append failed is dropped by its caller, as on the CPU).
+    fn append_whole(&mut self, i: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (k, v) = match self.layers[i].pop() {
+            Some(b) => (
+                Tensor::cat(&[&b.k.contiguous()?, &k.contiguous()?], 2)?,
+                Tensor::cat(&[&b.v.contiguous()?, &v.contiguous()?], 2)?,
+            ),
+            None => (k.contiguous()?, v.contiguous()?),
+        };
+        let ticket = self.ticket(k.dim(2)?.div_ceil(KV_BLOCK))?;
+        self.layers[i] = vec![Block { k, v, _ticket: ticket }];
         Ok(())
     }
 
@@ -234,7 +273,7 @@ impl KvCache {
         }
     }
 
-    fn ticket(&mut self) -> Result<Arc<Ticket>> {
-        self.pool.get_or_insert_with(|| KvPool::new(0)).ticket()
+    fn ticket(&mut self, blocks: usize) -> Result<Arc<Ticket>> {
+        self.pool.get_or_insert_with(|| KvPool::new(0)).ticket(blocks)
     }
 }

@@ -60,11 +60,21 @@ fn close(what: &str, got: &Tensor, want: &Tensor) {
 
 #[test]
 fn forks_and_shared_prefixes_decode_as_full_forwards() {
+    forks_and_shared_prefixes(KvCache::in_pool);
+}
+
+/// The same with one block per layer (the layout off the CPU).
+#[test]
+fn whole_layer_caches_decode_as_full_forwards() {
+    forks_and_shared_prefixes(KvCache::whole_in_pool);
+}
+
+fn forks_and_shared_prefixes(new_cache: fn(std::sync::Arc<KvPool>) -> KvCache) {
     let m = model();
     let pool = KvPool::new(0);
     // A: a 100-token prompt (three full blocks and four positions).
     let a_ids = ids(1, 100);
-    let mut a = KvCache::in_pool(pool.clone());
+    let mut a = new_cache(pool.clone());
     step(&m, &mut [&mut a], &[&a_ids]);
     // B: A's first 70 positions (a block cut in two), going on its own way; C: all of A, shared.
     let mut b = a.truncated(70).unwrap();
@@ -135,6 +145,24 @@ fn blocks_are_counted_once_however_shared_and_returned_whatever_ends_a_sequence(
     assert!(panicked.is_err());
     assert_eq!(pool.blocks_in_use(), 5 * layers, "the panicked holder's new blocks went back");
     drop((a, b, c));
+    assert_eq!(pool.blocks_in_use(), 0);
+}
+
+/// One block per layer holds a ticket for each [`KV_BLOCK`] its positions fill; a fork shares it until it
+/// writes, and then holds a copy of its own.
+#[test]
+fn whole_layer_blocks_count_their_positions() {
+    let m = model();
+    let layers = m.cfg.text.num_hidden_layers;
+    let pool = KvPool::new(0);
+    let mut a = KvCache::whole_in_pool(pool.clone());
+    step(&m, &mut [&mut a], &[&ids(6, 3 * KV_BLOCK + 4)]);
+    assert_eq!(pool.blocks_in_use(), 4 * layers);
+    let mut b = a.clone();
+    assert_eq!(pool.blocks_in_use(), 4 * layers, "a fork shares");
+    step(&m, &mut [&mut b], &[&[5]]);
+    assert_eq!(pool.blocks_in_use(), 8 * layers, "and writes a copy of its own");
+    drop((a, b));
     assert_eq!(pool.blocks_in_use(), 0);
 }
 
