@@ -255,6 +255,11 @@ impl KvCache {
         Ok(())
     }
 
+    /// Positions cached in layer `i` (all layers agree between forwards).
+    pub(crate) fn layer_len(&self, i: usize) -> usize {
+        self.layers.get(i).map_or(0, |blocks| blocks.iter().map(Block::len).sum())
+    }
+
     /// Layer `i`'s blocks as `(k, v)` pairs, in order.
     pub(crate) fn blocks(&self, i: usize) -> Vec<(Tensor, Tensor)> {
         self.layers[i].iter().map(|b| (b.k.clone(), b.v.clone())).collect()

@@ -209,8 +209,11 @@ impl TextDecoder {
     ) -> Result<Tensor> {
         let (q, mut k, mut v) = self.qkv(i, x, rope, train)?;
         if let Some(cache) = cache {
+            let past = cache.layer_len(i);
             cache.append(i, &k, &v)?;
-            (k, v) = cache.keys_values(i)?;
+            if past > 0 {
+                (k, v) = cache.keys_values(i)?;
+            }
         }
         let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         let o = match train {
@@ -236,9 +239,13 @@ impl TextDecoder {
         for (&len, cache) in lens.iter().zip(caches.iter_mut()) {
             // (1, n, N, hd) -> this sequence's (1, n, len, hd)
             let part = |t: &Tensor| t.narrow(2, start, len);
-            cache.append(i, &part(&k)?, &part(&v)?)?;
+            let (past, k, v) = (cache.layer_len(i), part(&k)?, part(&v)?);
+            cache.append(i, &k, &v)?;
             let q = part(&q)?;
-            let o = if len <= PAGED_ROWS && q.device().is_cpu() && self.kernels == KernelChoice::Askgui {
+            let o = if past == 0 {
+                // A first prefill attends over its own keys: the cache need not be read back.
+                crate::layers::attention(&q, &k, &v, AttentionMask::Causal, None, scale, self.kernels)?
+            } else if len <= PAGED_ROWS && q.device().is_cpu() && self.kernels == KernelChoice::Askgui {
                 askgui_kernels::ops::paged_attention(&q, &cache.blocks(i), scale)?
             } else {
                 let (k, v) = cache.keys_values(i)?;
