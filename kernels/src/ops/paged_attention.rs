@@ -10,14 +10,16 @@
 //! would have to copy it too. Blocks are shared by reference instead ([`askgui_model`'s `KvCache`]), and
 //! this op reads them where they are.
 //!
-//! How: one task per query head and row (rayon); scores `scale q . k_j` in f64 over the visible keys of
-//! every block, softmax with f64 statistics, `sum p_j v_j` in f64, rounded to the storage dtype once. No
+//! How: one task per query head and row (rayon); scores `scale q . k_j` (f64 dot products in eight partial
+//! sums, kept in f32) over the visible keys of every block, `exp` vectorised in f32 ([`exp_shifted_f32`])
+//! with the sum in f64, `sum p_j v_j` in f64, rounded to the storage dtype once. No
 //! GEMM: it is meant for decoding (a few rows); prefills concatenate and take [`super::attention()`].
 //! CPU only: a CUDA caller concatenates (a paged kernel for the GPU is not written yet). bf16 blocks are
 //! widened to f32 one block at a time.
 //!
 //! Tests: `cargo test -p askgui-kernels --test paged_attention`.
 
+use super::exp::{exp_shifted_f32, split_shift};
 use super::f32_slice;
 use crate::attention::{attention_reference, AttentionMask};
 use candle_core::{bail, DType, Device, Layout, Result, Storage, StorageRef, Tensor};
@@ -50,24 +52,25 @@ pub fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> R
         let qr = &q32[row * d..][..d];
         let visible = total - t + i + 1;
         // Scores of the visible keys, block by block: key j of block `n` is row j of head g there.
-        let mut s = Vec::with_capacity(visible);
+        let mut s: Vec<f32> = Vec::with_capacity(visible);
         for (kb, &n) in ks.iter().zip(&lens) {
             let take = n.min(visible - s.len());
-            s.extend((0..take).map(|j| scale * dot(qr, &kb[(g * n + j) * d..][..d])));
+            s.extend((0..take).map(|j| (scale * dot(qr, &kb[(g * n + j) * d..][..d])) as f32));
             if s.len() == visible {
                 break;
             }
         }
-        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        s.iter_mut().for_each(|x| *x = (*x - m).exp());
-        let l: f64 = s.iter().sum();
+        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let (hi, lo) = split_shift(m as f64);
+        exp_shifted_f32(&mut s, hi, lo);
+        let l = sum(&s);
         let mut acc = vec![0f64; d];
         let mut j0 = 0;
         for (vb, &n) in vs.iter().zip(&lens) {
             let take = n.min(visible - j0);
-            for (j, p) in s[j0..j0 + take].iter().enumerate() {
+            for (j, &p) in s[j0..j0 + take].iter().enumerate() {
                 let vr = &vb[(g * n + j) * d..][..d];
-                acc.iter_mut().zip(vr).for_each(|(a, &x)| *a += p * x as f64);
+                acc.iter_mut().zip(vr).for_each(|(a, &x)| *a += p as f64 * x as f64);
             }
             j0 += take;
             if j0 == visible {
@@ -126,6 +129,30 @@ fn widened<'a>(locked: &'a [(StorageRef<'a>, &'a Layout)]) -> Result<Vec<Cow<'a,
         .collect()
 }
 
+/// Independent partial sums, so that the reductions vectorise (a chain of dependent f64 additions cannot
+/// be reordered by the compiler).
+const LANES: usize = 8;
+
+/// `a . b` in f64, in [`LANES`] partial sums.
 fn dot(a: &[f32], b: &[f32]) -> f64 {
-    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+    let mut lanes = [0f64; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f64 = ca.remainder().iter().zip(cb.remainder()).map(|(&x, &y)| x as f64 * y as f64).sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            lanes[l] += x[l] as f64 * y[l] as f64;
+        }
+    }
+    lanes.iter().sum::<f64>() + tail
+}
+
+/// The sum of `xs` in f64, in [`LANES`] partial sums.
+fn sum(xs: &[f32]) -> f64 {
+    let mut lanes = [0f64; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail: f64 = chunks.remainder().iter().map(|&x| x as f64).sum();
+    for c in chunks {
+        lanes.iter_mut().zip(c).for_each(|(l, &x)| *l += x as f64);
+    }
+    lanes.iter().sum::<f64>() + tail
 }
