@@ -21,6 +21,7 @@ use thiserror::Error;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::backend::{Backend, BackendError, BackendInfo, Intake, Job, JobKind, JobOutput};
+use crate::drain::DrainRate;
 use crate::metrics::Metrics;
 
 /// Any error a backend factory may fail with (an `anyhow::Error` converts into it).
@@ -45,8 +46,8 @@ pub enum SubmitError {
     Loading,
     #[error("the model failed to load: {0}")]
     Failed(String),
-    #[error("the server is busy ({0} requests queued); retry shortly")]
-    QueueFull(usize),
+    #[error("the server is busy ({queued} requests queued); retry in {retry_after} s")]
+    QueueFull { queued: usize, retry_after: u32 },
     #[error("the server is shutting down")]
     Stopped,
 }
@@ -58,6 +59,9 @@ pub enum CallError {
     Submit(#[from] SubmitError),
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// The backend had no room for the job (its KV cache is full); `retry_after` from the drain rate.
+    #[error("{message}; retry in {retry_after} s")]
+    Busy { message: String, retry_after: u32 },
     /// The backend dropped the job without answering (it panicked, or it broke the contract).
     #[error("the model failed on this request without an answer (see the server log)")]
     NoReply,
@@ -69,6 +73,8 @@ struct Shared {
     settled: watch::Sender<bool>,
     depth: AtomicUsize,
     metrics: Arc<Metrics>,
+    /// Answers per second of late, for `Retry-After`.
+    drain: DrainRate,
 }
 
 /// A handle on the queue and the backend thread; clone it freely.
@@ -121,6 +127,7 @@ impl Engine {
             settled: watch::Sender::new(false),
             depth: AtomicUsize::new(0),
             metrics,
+            drain: DrainRate::default(),
         });
         let thread_shared = shared.clone();
         let spawned = std::thread::Builder::new()
@@ -172,7 +179,10 @@ impl Engine {
             Err(e) => {
                 self.shared.depth.fetch_sub(1, Ordering::Relaxed);
                 Err(match e {
-                    TrySendError::Full(_) => SubmitError::QueueFull(self.max_queue),
+                    TrySendError::Full(_) => SubmitError::QueueFull {
+                        queued: self.max_queue,
+                        retry_after: self.shared.drain.retry_after(self.max_queue),
+                    },
                     TrySendError::Disconnected(_) => SubmitError::Stopped,
                 })
             }
@@ -208,8 +218,13 @@ impl Engine {
         let mut pending = self.enqueue(kind, adapter, false)?;
         let out = pending.reply.await;
         pending.guard.disarm();
+        self.shared.drain.record();
         match out {
             Ok(Ok(output)) => Ok(output),
+            // Room comes back as jobs finish: one job's time at the recent rate.
+            Ok(Err(BackendError::Busy(message))) => {
+                Err(CallError::Busy { message, retry_after: self.shared.drain.retry_after(1) })
+            }
             Ok(Err(e)) => Err(CallError::Backend(e)),
             Err(_) => Err(CallError::NoReply),
         }

@@ -125,10 +125,13 @@ impl From<RequestError> for HttpError {
 impl From<SubmitError> for HttpError {
     fn from(e: SubmitError) -> Self {
         let status = match e {
-            SubmitError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            SubmitError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             SubmitError::Loading | SubmitError::Failed(_) | SubmitError::Stopped => StatusCode::SERVICE_UNAVAILABLE,
         };
         let mut err = Self::new(status, e.to_string());
+        if let SubmitError::QueueFull { retry_after, .. } = e {
+            err.retry_after = Some(retry_after);
+        }
         if matches!(e, SubmitError::Failed(_)) {
             // Retrying will not help until the server is restarted with a working model.
             err.retry_after = None;
@@ -156,6 +159,9 @@ impl From<CallError> for HttpError {
         match e {
             CallError::Submit(e) => e.into(),
             CallError::Backend(e) => e.into(),
+            CallError::Busy { retry_after, .. } => {
+                Self { retry_after: Some(retry_after), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()) }
+            }
             CallError::NoReply => Self::internal(e.to_string()),
         }
     }
@@ -167,8 +173,8 @@ mod tests {
 
     #[test]
     fn statuses_and_bodies() {
-        let e: HttpError = SubmitError::QueueFull(4).into();
-        assert_eq!((e.status.as_u16(), e.retry_after), (429, Some(1)));
+        let e: HttpError = SubmitError::QueueFull { queued: 4, retry_after: 3 }.into();
+        assert_eq!((e.status.as_u16(), e.retry_after), (429, Some(3)));
         assert_eq!(e.body()["error"]["type"], "rate_limit_error");
         let e: HttpError = SubmitError::Failed("no weights".into()).into();
         assert_eq!((e.status.as_u16(), e.retry_after), (503, None));
@@ -176,6 +182,9 @@ mod tests {
         assert_eq!(e.status.as_u16(), 400);
         let e: HttpError = BackendError::Busy("the KV cache is full".into()).into();
         assert_eq!((e.status.as_u16(), e.retry_after), (503, Some(1)));
+        let e: HttpError = CallError::Busy { message: "the KV cache is full".into(), retry_after: 7 }.into();
+        assert_eq!((e.status.as_u16(), e.retry_after), (503, Some(7)));
+        assert!(e.message.contains("retry in 7 s"), "{}", e.message);
         let e: HttpError = BackendError::Internal("boom".into()).into();
         assert_eq!((e.status.as_u16(), e.body()["error"]["type"].as_str()), (500, Some("server_error")));
         let e = HttpError::not_found("no model `x`").with_code("model_not_found");
