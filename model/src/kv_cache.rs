@@ -7,7 +7,8 @@
 //! append writes into the last block only (copying at most `KV_BLOCK` positions: the block a fork shares
 //! with its parent is copied when one of them writes into it, never the full ones), and a fork clones a
 //! list of block handles. Attention reads the blocks where they are
-//! ([`askgui_kernels::ops::paged_attention`]) on the CPU's decode path, and concatenates them elsewhere.
+//! ([`askgui_kernels::ops::paged_attention`]) on the CPU's decode path; prefills concatenate them, and off
+//! the CPU a layer is one block (see [`KvCache`]).
 //!
 //! Accounting: every block holds a ticket from its [`KvPool`]; the ticket goes back when the last cache
 //! holding the block drops it, so [`KvPool::blocks_in_use`] is the reference count of the whole pool and
@@ -26,7 +27,8 @@ use crate::error::{ModelError, Result};
 /// Positions per block.
 pub const KV_BLOCK: usize = 32;
 
-/// Where the blocks of a set of caches come from: a count of live blocks and an optional budget.
+/// Where the blocks of a set of caches come from: a count of live blocks (one layer's keys and values of
+/// [`KV_BLOCK`] positions each) and an optional budget.
 #[derive(Debug, Default)]
 pub struct KvPool {
     in_use: AtomicUsize,
@@ -40,12 +42,6 @@ impl KvPool {
     /// A pool of at most `capacity` blocks (0: unbounded).
     pub fn new(capacity: usize) -> Arc<Self> {
         Arc::new(Self { in_use: AtomicUsize::new(0), reserved: AtomicUsize::new(0), capacity })
-    }
-
-    /// The pool that `megabytes` of cache hold for a model whose one block (all layers, keys and values)
-    /// takes `block_bytes`; at least one block.
-    pub fn with_megabytes(megabytes: usize, block_bytes: usize) -> Arc<Self> {
-        Self::new(((megabytes << 20) / block_bytes.max(1)).max(1))
     }
 
     /// Blocks held by some cache now (a block shared by several caches counts once).
