@@ -153,7 +153,7 @@ impl KvCache {
 
     /// Number of cached positions (0 when empty).
     pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, |blocks| blocks.iter().map(Block::len).sum())
+        self.layer_len(0)
     }
 
     pub fn is_empty(&self) -> bool {

@@ -242,13 +242,11 @@ impl TextDecoder {
             let (past, k, v) = (cache.layer_len(i), part(&k)?, part(&v)?);
             cache.append(i, &k, &v)?;
             let q = part(&q)?;
-            let o = if past == 0 {
-                // A first prefill attends over its own keys: the cache need not be read back.
-                crate::layers::attention(&q, &k, &v, AttentionMask::Causal, None, scale, self.kernels)?
-            } else if len <= PAGED_ROWS && q.device().is_cpu() && self.kernels == KernelChoice::Askgui {
+            let o = if past > 0 && len <= PAGED_ROWS && q.device().is_cpu() && self.kernels == KernelChoice::Askgui {
                 askgui_kernels::ops::paged_attention(&q, &cache.blocks(i), scale)?
             } else {
-                let (k, v) = cache.keys_values(i)?;
+                // A first prefill attends over its own keys: the cache need not be read back.
+                let (k, v) = if past == 0 { (k, v) } else { cache.keys_values(i)? };
                 crate::layers::attention(&q, &k, &v, AttentionMask::Causal, None, scale, self.kernels)?
             };
             outs.push(o);
