@@ -111,6 +111,10 @@ pub struct DemoArgs {
     /// Sequences per optimiser step (one micro-batch).
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
+    /// Right-pad each step's sequences to the longest instead of packing them back to back (askgui-train
+    /// `--packing`): the same loss and gradient, with about a third of the decoder rows spent on padding.
+    #[arg(long)]
+    pub no_packing: bool,
     /// Test episodes evaluated (0: the whole test split).
     #[arg(long, default_value_t = 0)]
     pub eval_episodes: usize,
@@ -509,6 +513,8 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     base.optim.max_steps = a.base_steps;
     base.optim.batch_size = a.batch_size;
     base.optim.grad_accum = 1;
+    // Both trainings pack: the demo's samples differ in length, so a padded batch is about a third padding.
+    base.optim.packing = !a.no_packing;
     base.optim.warmup_steps = Some((a.base_steps / 20).max(1));
     base.optim.min_lr_ratio = 0.1;
     base.run.output_dir = a.out.join("base");

@@ -33,6 +33,7 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         say_repeat: 2,
         lora_extra: vec![TaskMode::Full],
         batch_size: 2,
+        no_packing: false,
         eval_episodes: 2,
         max_new_tokens: 6,
         target_fpr: 0.05,
@@ -97,6 +98,20 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         "adapter",
     ] {
         assert!(json.get(k).is_some(), "report.json lacks {k}");
+    }
+    // Both trainings packed their steps: no decoder row of padding was computed.
+    for stage in ["base", "lora"] {
+        let metrics = std::fs::read_to_string(out.join(stage).join("metrics.jsonl"))?;
+        let steps: Vec<serde_json::Value> = metrics
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|m| m.get("step").is_some())
+            .collect();
+        assert_eq!(steps.len(), 2, "{stage}: {metrics}");
+        for m in steps {
+            assert!(m["tokens"].as_u64().is_some_and(|t| t > 0), "{stage}: {m}");
+            assert_eq!(m["computed_tokens"], m["tokens"], "{stage}: {m}");
+        }
     }
     assert!(!report.all_met, "a two-step toy run cannot meet the demo's targets");
     let md = std::fs::read_to_string(out.join("report.md"))?;
