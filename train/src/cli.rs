@@ -29,7 +29,7 @@ pub enum Command {
     /// Rewrite a PEFT LoRA adapter's tensor keys: transformers5 (PEFT today) or hub (older stacks, vLLM).
     ConvertAdapter(crate::convert_adapter::ConvertArgs),
     /// Synthetic world -> base agent from scratch -> LoRA+ASK -> eval, on the CPU with nothing downloaded.
-    Demo(crate::demo::DemoArgs),
+    Demo(Box<crate::demo::DemoArgs>),
     /// Check every kernel against its plain-candle reference on this device; exits non-zero if one fails.
     CheckGpu(crate::check_gpu::CheckGpuArgs),
 }

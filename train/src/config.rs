@@ -240,6 +240,12 @@ pub struct OptimArgs {
     #[arg(long, default_value_t = false)]
     #[serde(default)]
     pub packing: bool,
+    /// Micro-batches of a step computed at once on the CPU, each whole on a thread of its own with
+    /// single-threaded kernels: faster for a small model, whose kernels cannot keep every core busy, at N x
+    /// the activation memory. With `--packing` a step is cut into at least N packs. 1: one at a time.
+    #[arg(long, default_value_t = 1)]
+    #[serde(default = "one_usize")]
+    pub micro_batch_threads: usize,
     /// Passes over the training data.
     #[arg(long, default_value_t = 1)]
     pub epochs: usize,
@@ -462,6 +468,15 @@ impl TrainConfig {
             return bad("--region-layer counts decoder layers from 1".into());
         }
         let (l, o) = (&self.lora, &self.optim);
+        if self.optim.micro_batch_threads == 0 {
+            return bad("--micro-batch-threads must be at least 1 (1: one micro-batch at a time)".into());
+        }
+        if self.optim.micro_batch_threads > 1 && self.model.device != DeviceKind::Cpu {
+            return bad(format!(
+                "--micro-batch-threads {} runs micro-batches on CPU threads; add --device cpu, or drop it on a GPU",
+                self.optim.micro_batch_threads
+            ));
+        }
         if l.lora_rank == 0 {
             return bad("--lora-rank must be at least 1".into());
         }

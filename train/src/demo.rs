@@ -115,6 +115,10 @@ pub struct DemoArgs {
     /// `--packing`): the same loss and gradient, with about a third of the decoder rows spent on padding.
     #[arg(long)]
     pub no_packing: bool,
+    /// Micro-batches of a training step computed at once, each on a thread of its own (askgui-train
+    /// `--micro-batch-threads`); 0: one per core.
+    #[arg(long, default_value_t = 0)]
+    pub micro_batch_threads: usize,
     /// Test episodes evaluated (0: the whole test split).
     #[arg(long, default_value_t = 0)]
     pub eval_episodes: usize,
@@ -515,6 +519,13 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     base.optim.grad_accum = 1;
     // Both trainings pack: the demo's samples differ in length, so a padded batch is about a third padding.
     base.optim.packing = !a.no_packing;
+    // A model this small keeps no core busy inside one kernel: the micro-batches run side by side instead,
+    // on the CPU (a GPU would gain nothing on it either).
+    base.model.device = DeviceKind::Cpu;
+    base.optim.micro_batch_threads = match a.micro_batch_threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(a.batch_size),
+        n => n,
+    };
     base.optim.warmup_steps = Some((a.base_steps / 20).max(1));
     base.optim.min_lr_ratio = 0.1;
     base.run.output_dir = a.out.join("base");

@@ -30,6 +30,7 @@ pub mod init;
 pub mod interrupt;
 pub mod lock;
 pub mod merge;
+pub mod micro_threads;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod optim;

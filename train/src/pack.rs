@@ -29,6 +29,23 @@ pub fn first_fit_decreasing(lens: &[usize], cap: usize) -> Vec<Vec<usize>> {
     packs
 }
 
+/// Spreads sequences of lengths `lens` over `n` packs of near-equal token counts: longest first, each into
+/// the lightest pack so far (Graham's LPT rule: the heaviest pack is within 4/3 of the best split). For
+/// `--micro-batch-threads`, whose packs run at once. `None` when a pack would pass `cap`. Empty packs
+/// (fewer sequences than `n`) are left out.
+pub fn balanced(lens: &[usize], n: usize, cap: usize) -> Option<Vec<Vec<usize>>> {
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lens[i]));
+    let mut packs = vec![(0usize, Vec::new()); n.max(1)];
+    for i in order {
+        let lightest = packs.iter_mut().min_by_key(|p| p.0).expect("n >= 1");
+        lightest.0 += lens[i];
+        lightest.1.push(i);
+    }
+    let fits = packs.iter().all(|p| p.0 <= cap);
+    fits.then(|| packs.into_iter().map(|p| p.1).filter(|p| !p.is_empty()).collect())
+}
+
 /// The decoder rows a micro-batch of sequences of `lens` computes: all of them back to back when
 /// packed, else each padded to the longest.
 pub fn computed_rows(lens: &[usize], packed: bool) -> usize {
@@ -59,6 +76,18 @@ mod tests {
     fn an_oversized_sequence_gets_its_own_pack_and_nothing_is_lost() {
         assert_eq!(first_fit_decreasing(&[12, 4, 6], 10), vec![vec![0], vec![2, 1]]);
         assert!(first_fit_decreasing(&[], 10).is_empty());
+    }
+
+    #[test]
+    fn balanced_packs_take_the_longest_into_the_lightest() {
+        // Sorted: 7 (0), 5 (2), 4 (4), 3 (1), 3 (5), 2 (3), 1 (6). 7 -> A, 5 -> B, 4 -> B (9), 3 (1) -> A
+        // (10), 3 (5) -> B (12), 2 -> A (12), 1 -> A (13): packs of 13 and 12 tokens.
+        let lens = [7, 3, 5, 2, 4, 3, 1];
+        let packs = balanced(&lens, 2, 16).unwrap();
+        assert_eq!(packs, vec![vec![0, 1, 3, 6], vec![2, 4, 5]]);
+        assert_eq!(balanced(&lens, 2, 12), None, "a 13-token pack passes the cap");
+        // Fewer sequences than packs: no empty pack.
+        assert_eq!(balanced(&[4, 9], 3, 10).unwrap(), vec![vec![1], vec![0]]);
     }
 
     #[test]

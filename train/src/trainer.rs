@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use askgui_data::{LoadedEpisode, PromptConfig};
 use askgui_eval::modes::Mode as EvalMode;
-use askgui_model::{DeviceKind, ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions};
+use askgui_model::{DeviceKind, ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions, StepOutput};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
@@ -30,6 +30,7 @@ use crate::data::{self, DataOptions, DataStats, Dataset, PreparedSample};
 use crate::data_parallel;
 use crate::distributed::World;
 use crate::error::{io, Result, TrainError};
+use crate::micro_threads::MicroThreads;
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
 use crate::pack;
 use crate::snapshot::{self, TrainerState};
@@ -261,6 +262,8 @@ struct Run<'a> {
     schedule: Schedule,
     /// Sequences an optimiser step takes over all ranks: `--batch-size` x `--grad-accum` x ranks.
     sequences_per_step: usize,
+    /// The threads that run `--micro-batch-threads` micro-batches at once.
+    threads: MicroThreads,
 }
 
 impl<'a> Run<'a> {
@@ -291,7 +294,19 @@ impl<'a> Run<'a> {
         let total = if o.max_steps > 0 { o.max_steps } else { o.epochs * data::steps_per_epoch(n, sequences_per_step) };
         let warmup = o.warmup_steps.unwrap_or((o.warmup_ratio * total as f64).ceil() as usize);
         let schedule = Schedule { peak: o.lr, warmup, total, min_ratio: o.min_lr_ratio };
-        Ok(Self { cfg, device, train, val, val_episodes, eval_mode, prompt: opts.prompt, schedule, sequences_per_step })
+        let threads = MicroThreads::new(cfg.optim.micro_batch_threads)?;
+        Ok(Self {
+            cfg,
+            device,
+            train,
+            val,
+            val_episodes,
+            eval_mode,
+            prompt: opts.prompt,
+            schedule,
+            sequences_per_step,
+            threads,
+        })
     }
 
     /// Logs the run's shape, and warns when a resumed snapshot was written by a run of another length or seed.
@@ -409,14 +424,18 @@ fn step_options(cfg: &TrainConfig, step: usize, micro: usize) -> StepOptions {
 }
 
 /// The micro-batches of a step: `--batch-size` sequences each in data order, or with `--packing` packs of
-/// up to `--max-seq-len` tokens ([`crate::pack`]). Returns each micro-batch's sample indices.
+/// up to `--max-seq-len` tokens ([`crate::pack`]), at least `--micro-batch-threads` of them when they fit.
+/// Returns each micro-batch's sample indices.
 fn micro_batch_plan(samples: &[&PreparedSample], cfg: &TrainConfig) -> Vec<Vec<usize>> {
-    match cfg.optim.packing {
-        true => {
-            let lens: Vec<usize> = samples.iter().map(|s| s.ids.len()).collect();
-            pack::first_fit_decreasing(&lens, cfg.data.max_seq_len)
-        }
-        false => (0..samples.len()).collect::<Vec<_>>().chunks(cfg.optim.batch_size).map(<[usize]>::to_vec).collect(),
+    if !cfg.optim.packing {
+        return (0..samples.len()).collect::<Vec<_>>().chunks(cfg.optim.batch_size).map(<[usize]>::to_vec).collect();
+    }
+    let lens: Vec<usize> = samples.iter().map(|s| s.ids.len()).collect();
+    let (threads, cap) = (cfg.optim.micro_batch_threads, cfg.data.max_seq_len);
+    let packs = pack::first_fit_decreasing(&lens, cap);
+    match packs.len() < threads {
+        true => pack::balanced(&lens, threads, cap).unwrap_or(packs),
+        false => packs,
     }
 }
 
@@ -445,27 +464,35 @@ fn micro_batches(
 ) -> Result<Accumulated> {
     let mut acc = Accumulated { grads: vec![None; opt.len()], loss: 0.0, rows: 0 };
     let mut counted = 0;
-    for (micro, chunk) in micro_batch_plan(samples, run.cfg).iter().enumerate() {
-        let micro = first + micro;
-        let batch = chunk
+    let plan = micro_batch_plan(samples, run.cfg);
+    let one = |micro: usize| -> Result<(usize, StepOutput)> {
+        let batch = plan[micro]
             .iter()
             .map(|&i| data::example(samples[i], &model.image_config, &run.device))
             .collect::<Result<Vec<_>>>()?;
-        let out = model.loss_and_grads(&batch, &step_options(run.cfg, step, micro))?;
-        if !out.loss.is_finite() {
-            return Err(non_finite("loss", out.loss, step + 1, Some(micro), last));
-        }
-        let w = out.supervised_tokens as f64 / supervised as f64;
-        acc.loss += out.loss * w;
-        acc.rows += pack::computed_rows(&batch.iter().map(|e| e.ids.len()).collect::<Vec<_>>(), run.cfg.optim.packing);
-        counted += out.supervised_tokens;
-        for (slot, (_, var)) in acc.grads.iter_mut().zip(opt.vars()) {
-            if let Some(g) = out.grads.get(var.as_tensor()) {
-                let g = (g * w)?;
-                *slot = Some(match slot.take() {
-                    Some(acc) => (acc + g)?,
-                    None => g,
-                });
+        let rows = pack::computed_rows(&batch.iter().map(|e| e.ids.len()).collect::<Vec<_>>(), run.cfg.optim.packing);
+        Ok((rows, model.loss_and_grads(&batch, &step_options(run.cfg, step, first + micro))?))
+    };
+    // `--micro-batch-threads` of them at once; summed in plan order either way.
+    for wave in (0..plan.len()).collect::<Vec<_>>().chunks(run.threads.at_once()) {
+        for (micro, done) in wave.iter().zip(run.threads.run(wave.len(), |i| one(wave[i]))) {
+            let (rows, out) = done?;
+            let micro = first + micro;
+            if !out.loss.is_finite() {
+                return Err(non_finite("loss", out.loss, step + 1, Some(micro), last));
+            }
+            let w = out.supervised_tokens as f64 / supervised as f64;
+            acc.loss += out.loss * w;
+            acc.rows += rows;
+            counted += out.supervised_tokens;
+            for (slot, (_, var)) in acc.grads.iter_mut().zip(opt.vars()) {
+                if let Some(g) = out.grads.get(var.as_tensor()) {
+                    let g = (g * w)?;
+                    *slot = Some(match slot.take() {
+                        Some(acc) => (acc + g)?,
+                        None => g,
+                    });
+                }
             }
         }
     }
@@ -657,6 +684,9 @@ pub fn train_on(cfg: &TrainConfig, control: &RunControl, world: &World) -> Resul
     let _lock = main.then(|| crate::lock::Lock::acquire(&cfg.run.output_dir)).transpose()?;
     if main {
         tracing::info!("resolved config:\n{}", cfg.to_toml());
+    }
+    if cfg.optim.micro_batch_threads > 1 {
+        crate::micro_threads::single_threaded_candle();
     }
     let ordinal = if cfg.model.device == DeviceKind::Cpu { 0 } else { world.gpu_ordinal()? };
     let (device, dtype) = pick_device(&cfg.model, ordinal)?;

@@ -34,6 +34,7 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         lora_extra: vec![TaskMode::Full],
         batch_size: 2,
         no_packing: false,
+        micro_batch_threads: 2,
         eval_episodes: 2,
         max_new_tokens: 6,
         target_fpr: 0.05,

@@ -542,3 +542,52 @@ fn packing_trains_the_same_steps_without_computing_padding() {
     }
     assert_eq!(packed.len(), 3);
 }
+
+/// `--micro-batch-threads 2` runs a step's micro-batches side by side and sums them in plan order: the
+/// same steps as one micro-batch after another. Unpacked, the plan is the same (four micro-batches of
+/// one), so only kernel threading differs; packed, the step is split into two balanced packs instead of
+/// one, which moves the loss by f32 summation order only.
+#[test]
+fn micro_batches_on_threads_train_the_same_steps() {
+    let dir = scratch("threads");
+    let data = episodes(&dir, 2);
+    let common = "--lr 5e-3 --warmup-steps 0 --max-steps 3 --lora-dropout 0 --save-checkpoints false --lora-rank 4 \
+                  --batch-size 1 --grad-accum 4 --device cpu";
+    let run = |name: &str, extra: &str| {
+        let cfg = config(&data, &dir.join(name), &format!("{common} {extra}"));
+        askgui_train::train(&cfg, &none()).unwrap().steps
+    };
+    let pairs = [
+        (run("serial", ""), run("threads", "--micro-batch-threads 2"), 1e-6),
+        (run("packed", "--packing"), run("packed-threads", "--packing --micro-batch-threads 2"), 1e-5),
+    ];
+    for (serial, threads, tol) in &pairs {
+        assert_eq!(serial.len(), 3);
+        for (a, b) in serial.iter().zip(threads) {
+            eprintln!(
+                "step {}: loss {:.8} / {:.8}, grad norm {:.8} / {:.8}",
+                a.step, a.loss, b.loss, a.grad_norm, b.grad_norm
+            );
+            assert_eq!(
+                (a.tokens, a.supervised_tokens, a.computed_tokens),
+                (b.tokens, b.supervised_tokens, b.computed_tokens)
+            );
+            assert!((a.loss - b.loss).abs() <= tol * a.loss.abs(), "step {}: {} vs {}", a.step, a.loss, b.loss);
+            let rel = (a.grad_norm - b.grad_norm).abs() / a.grad_norm;
+            assert!(rel <= 10.0 * tol, "step {}: grad norm {} vs {}", a.step, a.grad_norm, b.grad_norm);
+        }
+    }
+}
+
+#[test]
+fn micro_batch_threads_are_refused_off_the_cpu() {
+    let dir = scratch("threads-gpu");
+    let data = episodes(&dir, 1);
+    let mut cfg = config(&data, &dir.join("run"), "--max-steps 1 --micro-batch-threads 2 --device cpu");
+    cfg.model.device = askgui_model::DeviceKind::Cuda;
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(err.contains("--micro-batch-threads 2") && err.contains("--device cpu"), "{err}");
+    cfg.model.device = askgui_model::DeviceKind::Cpu;
+    cfg.optim.micro_batch_threads = 0;
+    assert!(cfg.validate().unwrap_err().to_string().contains("at least 1"));
+}

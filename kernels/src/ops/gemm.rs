@@ -56,7 +56,7 @@ pub(crate) fn matmul<T: WithDType>(
         }
         return;
     }
-    let threads = if parallel { candle_core::utils::get_num_threads() } else { 1 };
+    let threads = if parallel { candle_core::utils::get_num_threads().min(rayon::current_num_threads()) } else { 1 };
     let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: the asserts above keep every address the strides reach inside `dst`, `a.data` and
     // `b.data`; `dst` is exclusively borrowed and does not alias the shared `a`, `b`.
