@@ -468,13 +468,13 @@ impl TrainConfig {
             return bad("--region-layer counts decoder layers from 1".into());
         }
         let (l, o) = (&self.lora, &self.optim);
-        if self.optim.micro_batch_threads == 0 {
+        if o.micro_batch_threads == 0 {
             return bad("--micro-batch-threads must be at least 1 (1: one micro-batch at a time)".into());
         }
-        if self.optim.micro_batch_threads > 1 && self.model.device != DeviceKind::Cpu {
+        if o.micro_batch_threads > 1 && self.model.device != DeviceKind::Cpu {
             return bad(format!(
                 "--micro-batch-threads {} runs micro-batches on CPU threads; add --device cpu, or drop it on a GPU",
-                self.optim.micro_batch_threads
+                o.micro_batch_threads
             ));
         }
         if l.lora_rank == 0 {

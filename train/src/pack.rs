@@ -11,10 +11,8 @@
 /// first, each pack in placing order. A sequence longer than `cap` gets a pack of its own (the data
 /// loader already cuts every sample to `--max-seq-len`). Deterministic: ties keep the input order.
 pub fn first_fit_decreasing(lens: &[usize], cap: usize) -> Vec<Vec<usize>> {
-    let mut order: Vec<usize> = (0..lens.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(lens[i]));
     let (mut packs, mut room): (Vec<Vec<usize>>, Vec<usize>) = (vec![], vec![]);
-    for i in order {
+    for i in longest_first(lens) {
         match room.iter().position(|&r| r >= lens[i]) {
             Some(p) => {
                 packs[p].push(i);
@@ -34,16 +32,21 @@ pub fn first_fit_decreasing(lens: &[usize], cap: usize) -> Vec<Vec<usize>> {
 /// `--micro-batch-threads`, whose packs run at once. `None` when a pack would pass `cap`. Empty packs
 /// (fewer sequences than `n`) are left out.
 pub fn balanced(lens: &[usize], n: usize, cap: usize) -> Option<Vec<Vec<usize>>> {
-    let mut order: Vec<usize> = (0..lens.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(lens[i]));
     let mut packs = vec![(0usize, Vec::new()); n.max(1)];
-    for i in order {
+    for i in longest_first(lens) {
         let lightest = packs.iter_mut().min_by_key(|p| p.0).expect("n >= 1");
         lightest.0 += lens[i];
         lightest.1.push(i);
     }
     let fits = packs.iter().all(|p| p.0 <= cap);
     fits.then(|| packs.into_iter().map(|p| p.1).filter(|p| !p.is_empty()).collect())
+}
+
+/// Indices into `lens`, longest first; ties keep the input order (a stable sort).
+fn longest_first(lens: &[usize]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lens[i]));
+    order
 }
 
 /// The decoder rows a micro-batch of sequences of `lens` computes: all of them back to back when

@@ -448,6 +448,24 @@ struct Accumulated {
     rows: usize,
 }
 
+impl Accumulated {
+    /// Adds one micro-batch's loss and gradients (in `opt`'s order) with weight `w`, and its `rows`.
+    fn add(&mut self, out: &StepOutput, w: f64, rows: usize, opt: &AdamW) -> Result<()> {
+        self.loss += out.loss * w;
+        self.rows += rows;
+        for (slot, (_, var)) in self.grads.iter_mut().zip(opt.vars()) {
+            if let Some(g) = out.grads.get(var.as_tensor()) {
+                let g = (g * w)?;
+                *slot = Some(match slot.take() {
+                    Some(acc) => (acc + g)?,
+                    None => g,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Forward + backward over `samples` in micro-batches ([`micro_batch_plan`]), each micro-batch's loss and
 /// gradients weighted by its share of the step's `supervised` tokens (over all ranks); returns the
 /// accumulated gradients (in `opt`'s order) and this rank's share of the step's loss. `step` is the number
@@ -474,26 +492,15 @@ fn micro_batches(
         Ok((rows, model.loss_and_grads(&batch, &step_options(run.cfg, step, first + micro))?))
     };
     // `--micro-batch-threads` of them at once; summed in plan order either way.
-    for wave in (0..plan.len()).collect::<Vec<_>>().chunks(run.threads.at_once()) {
-        for (micro, done) in wave.iter().zip(run.threads.run(wave.len(), |i| one(wave[i]))) {
+    for start in (0..plan.len()).step_by(run.threads.at_once()) {
+        let n = run.threads.at_once().min(plan.len() - start);
+        for (micro, done) in (start..).zip(run.threads.run(n, |i| one(start + i))) {
             let (rows, out) = done?;
-            let micro = first + micro;
             if !out.loss.is_finite() {
-                return Err(non_finite("loss", out.loss, step + 1, Some(micro), last));
+                return Err(non_finite("loss", out.loss, step + 1, Some(first + micro), last));
             }
-            let w = out.supervised_tokens as f64 / supervised as f64;
-            acc.loss += out.loss * w;
-            acc.rows += rows;
+            acc.add(&out, out.supervised_tokens as f64 / supervised as f64, rows, opt)?;
             counted += out.supervised_tokens;
-            for (slot, (_, var)) in acc.grads.iter_mut().zip(opt.vars()) {
-                if let Some(g) = out.grads.get(var.as_tensor()) {
-                    let g = (g * w)?;
-                    *slot = Some(match slot.take() {
-                        Some(acc) => (acc + g)?,
-                        None => g,
-                    });
-                }
-            }
         }
     }
     let marked: usize = samples.iter().map(|s| s.supervised_tokens()).sum();

@@ -557,6 +557,9 @@ fn micro_batches_on_threads_train_the_same_steps() {
         let cfg = config(&data, &dir.join(name), &format!("{common} {extra}"));
         askgui_train::train(&cfg, &none()).unwrap().steps
     };
+    // Unpacked, the micro-batches and their summing order are the same, only the kernels' threading differs
+    // (bitwise equal on the development machine; 1e-6 leaves room for a GEMM that splits its sums by thread
+    // count). Packed, the grouping differs: f32 summation order, as in the packing test (1e-5).
     let pairs = [
         (run("serial", ""), run("threads", "--micro-batch-threads 2"), 1e-6),
         (run("packed", "--packing"), run("packed-threads", "--packing --micro-batch-threads 2"), 1e-5),
@@ -574,7 +577,7 @@ fn micro_batches_on_threads_train_the_same_steps() {
             );
             assert!((a.loss - b.loss).abs() <= tol * a.loss.abs(), "step {}: {} vs {}", a.step, a.loss, b.loss);
             let rel = (a.grad_norm - b.grad_norm).abs() / a.grad_norm;
-            assert!(rel <= 10.0 * tol, "step {}: grad norm {} vs {}", a.step, a.grad_norm, b.grad_norm);
+            assert!(rel <= *tol, "step {}: grad norm {} vs {}", a.step, a.grad_norm, b.grad_norm);
         }
     }
 }
