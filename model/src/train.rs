@@ -484,8 +484,14 @@ impl Qwen2Vl {
         let pos = Tensor::from_vec(rows.pos, (3, b, t), &candle_core::Device::Cpu)?;
         let rope = std::rc::Rc::new(self.text.rope(&pos, self.dtype(), dev)?);
         let ids = Tensor::from_vec(rows.ids, (b, t), dev)?;
-        let labels = Tensor::from_vec(rows.labels, b * t, dev)?;
-        let mask = Tensor::from_vec(rows.mask, b * t, dev)?;
+        // The loss reads only the supervised rows: the head's GEMMs and softmax skip the prompt and padding.
+        let (sup_rows, sup_labels): (Vec<u32>, Vec<u32>) =
+            (0..b * t).filter(|&r| rows.mask[r] > 0.0).map(|r| (r as u32, rows.labels[r])).unzip();
+        let sup = (
+            Tensor::from_vec(sup_rows, supervised, dev)?,
+            Tensor::from_vec(sup_labels, supervised, dev)?,
+            Tensor::ones(supervised, DType::F32, dev)?,
+        );
         let region = match rows.region_rows.len() {
             0 => None,
             k => Some((
@@ -531,11 +537,16 @@ impl Qwen2Vl {
             }
         }
         stages.push(Stage::new(full, move |x: &Tensor| {
-            // (B, T, H) -> (B T, V): row r's logits predict the next token of r's own sequence.
-            let logits = lm_head(&self.text.final_norm(x, Some(ctx))?.reshape((b * t, ()))?)?;
+            // (B, T, H) -> (B T, H): row r's logits predict the next token of r's own sequence.
+            let h = x.reshape((b * t, ()))?;
             match head {
-                Head::Loss { .. } => Ok(ctx.cross_entropy(&logits, &labels, &mask)?),
-                Head::Logits => Ok(logits),
+                Head::Loss { .. } => {
+                    // (B T, H) -> (S, H) -> (S, V): the supervised rows alone.
+                    let (rows, labels, ones) = &sup;
+                    let logits = lm_head(&self.text.final_norm(&h.index_select(rows, 0)?, Some(ctx))?)?;
+                    Ok(ctx.cross_entropy(&logits, labels, ones)?)
+                }
+                Head::Logits => Ok(lm_head(&self.text.final_norm(&h, Some(ctx))?)?),
             }
         }));
         Ok(Chain { x0, stages, supervised, starts: rows.starts })
