@@ -75,7 +75,7 @@ pub struct DemoArgs {
     #[arg(long, value_enum, value_delimiter = ',', num_args = 0.., default_value = "steps,language")]
     pub base_extra: Vec<TaskMode>,
     /// Optimiser steps of the base training (from scratch).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2400)]
     pub base_steps: usize,
     /// Peak learning rate of the base training.
     #[arg(long, default_value_t = 2e-3)]

@@ -135,7 +135,7 @@ fn demo_needs_no_arguments() {
     }
     let cli = Cli::try_parse_from(["demo"]).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(cli.args.out, std::path::PathBuf::from("runs/demo"));
-    assert_eq!((cli.args.base_steps, cli.args.lora_steps), (2000, 750));
+    assert_eq!((cli.args.base_steps, cli.args.lora_steps), (2400, 750));
     assert_eq!((cli.args.ask_repeat, cli.args.say_repeat), (4, 5));
     assert_eq!(cli.args.lora_extra, [TaskMode::Full]);
     // A mix can be turned off: the flag with no value.
