@@ -397,7 +397,7 @@ impl Logs {
 
 /// Whether a periodic action (every `every` steps, 0: only at the end) is due after `step`.
 fn due(every: usize, step: usize, last: bool) -> bool {
-    last || (every > 0 && step % every == 0)
+    last || (every > 0 && step.is_multiple_of(every))
 }
 
 /// The error that stops the run at step `step` (1-based) when `value`, the `what`, is not finite; it names

@@ -170,7 +170,10 @@ impl MiniLm {
             std::fs::read_to_string(&cfg_path).map_err(|e| TextError::Io { path: cfg_path.clone(), source: e })?;
         let cfg: BertConfig =
             serde_json::from_str(&cfg_text).map_err(|e| TextError::Config { path: cfg_path.clone(), source: e })?;
-        if cfg.hidden_act != "gelu" || cfg.num_attention_heads == 0 || cfg.hidden_size % cfg.num_attention_heads != 0 {
+        if cfg.hidden_act != "gelu"
+            || cfg.num_attention_heads == 0
+            || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads)
+        {
             return Err(TextError::Unsupported {
                 path: cfg_path,
                 reason: format!(
