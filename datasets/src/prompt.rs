@@ -220,6 +220,9 @@ pub enum SampleKind {
     Ask,
     /// The same step after the SAY turn: target = the real action.
     ActAfterSay,
+    /// A later step of an ambiguous task, once a question was answered (a SAY turn in its history): target
+    /// = the step's action.
+    ActInDialog,
     /// [`TaskMode::Language`]: an annotated question and its answer as plain text.
     Language,
     /// [`TaskMode::Describe`]: what the screen shows.
@@ -313,7 +316,10 @@ pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -
                 history.push(Turn::Say { text: ask.answer.clone() });
                 push(&history, SampleKind::ActAfterSay, &step.action);
             }
-            _ => push(&history, SampleKind::Act, &step.action),
+            _ => {
+                let answered = history.iter().any(|t| matches!(t, Turn::Say { .. }));
+                push(&history, if answered { SampleKind::ActInDialog } else { SampleKind::Act }, &step.action)
+            }
         }
         history.push(Turn::Agent { action: step.action.clone() });
         past = history;
@@ -418,7 +424,7 @@ mod tests {
         let cfg = PromptConfig { frame: FrameKind::Relative1000, ..Default::default() };
         let s = episode_samples(&episode(true), &cfg, TaskMode::Ambiguous).unwrap();
         let kinds: Vec<_> = s.iter().map(|s| s.kind).collect();
-        assert_eq!(kinds, [SampleKind::Act, SampleKind::Ask, SampleKind::ActAfterSay, SampleKind::Act]);
+        assert_eq!(kinds, [SampleKind::Act, SampleKind::Ask, SampleKind::ActAfterSay, SampleKind::ActInDialog]);
         assert!(s[1].target.is_ask());
         assert_eq!(s[2].target, Action::Click(Target::point(20, 50)), "relative frame: 20/1000 -> 20, 100/2000 -> 50");
         // The sample after SAY lists the ask and the answer as the last history lines, before the

@@ -161,6 +161,11 @@ pub struct DataArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     #[serde(default = "one")]
     pub say_repeat: u32,
+    /// Copies of each later step of an ambiguous task, acted with the user's answer in its history (1: the
+    /// natural mix; validation keeps one).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    #[serde(default = "one")]
+    pub dialog_repeat: u32,
     /// Weight of the region-word loss (0: off): each image token inside a listed element's box also
     /// predicts a word of that element's text. Needs episodes with elements.
     #[arg(long, default_value_t = 0.0)]

@@ -50,6 +50,8 @@ pub struct DataOptions {
     pub ask_repeat: usize,
     /// Copies of each sample that acts on the user's answer (the annotated step after the SAY turn).
     pub say_repeat: usize,
+    /// Copies of each later step of an ambiguous task, acted with an answered question in its history.
+    pub dialog_repeat: usize,
     /// Build each sample's region-word targets ([`PreparedSample::region_targets`]).
     pub region_words: bool,
 }
@@ -247,6 +249,7 @@ pub fn load_dataset(
             let copies = match s.kind {
                 SampleKind::Ask => opts.ask_repeat.max(1),
                 SampleKind::ActAfterSay => opts.say_repeat.max(1),
+                SampleKind::ActInDialog => opts.dialog_repeat.max(1),
                 _ => 1,
             };
             stats.tokens += copies * sample.ids.len();

@@ -104,6 +104,10 @@ pub struct DemoArgs {
     /// Copies of each sample that acts on the user's answer in the LoRA mix (askgui-train `--say-repeat`).
     #[arg(long, default_value_t = 5)]
     pub say_repeat: u32,
+    /// Copies of each later step of an ambiguous task, acted with the user's answer in its history, in
+    /// the LoRA mix (askgui-train `--dialog-repeat`).
+    #[arg(long, default_value_t = 1)]
+    pub dialog_repeat: u32,
     /// Sample sets mixed into the LoRA fine-tuning besides the Navi-plus mix (askgui-train
     /// `--extra-task-modes`); the flag with no value: none.
     #[arg(long, value_enum, value_delimiter = ',', num_args = 0.., default_value = "full")]
@@ -553,6 +557,7 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     lora.data.region_weight = a.lora_region_weight;
     lora.data.ask_repeat = a.ask_repeat;
     lora.data.say_repeat = a.say_repeat;
+    lora.data.dialog_repeat = a.dialog_repeat;
     lora.lora.lora_rank = a.lora_rank;
     lora.lora.lora_alpha = 2.0 * a.lora_rank as f64;
     lora.lora.lora_dropout = 0.0;

@@ -189,6 +189,7 @@ fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
         skip_bad_records: d.skip_bad_records,
         ask_repeat: d.ask_repeat as usize,
         say_repeat: d.say_repeat as usize,
+        dialog_repeat: d.dialog_repeat as usize,
         region_words: d.region_weight > 0.0,
     }
 }
@@ -275,8 +276,14 @@ impl<'a> Run<'a> {
         let opts = data_options(cfg, &ic);
         let train = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
         tracing::info!(stats = ?train.stats, "training data {}", train.path.display());
-        let val_opts =
-            DataOptions { ask_repeat: 1, say_repeat: 1, extra_task_modes: vec![], region_words: false, ..opts.clone() };
+        let val_opts = DataOptions {
+            ask_repeat: 1,
+            say_repeat: 1,
+            dialog_repeat: 1,
+            extra_task_modes: vec![],
+            region_words: false,
+            ..opts.clone()
+        };
         let val = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &val_opts, &tokenizer, &ic)).transpose()?;
         if let Some(v) = &val {
             tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());

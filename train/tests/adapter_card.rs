@@ -40,6 +40,7 @@ fn run_options() -> DataOptions {
         skip_bad_records: false,
         ask_repeat: 1,
         say_repeat: 1,
+        dialog_repeat: 1,
         region_words: false,
     }
 }

@@ -31,6 +31,7 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
         lora_rank: 4,
         ask_repeat: 3,
         say_repeat: 2,
+        dialog_repeat: 2,
         lora_extra: vec![TaskMode::Full],
         batch_size: 2,
         no_packing: false,

@@ -128,6 +128,7 @@ fn training_prompts(path: &Path, history_images: usize) -> Vec<Vec<u32>> {
         skip_bad_records: false,
         ask_repeat: 1,
         say_repeat: 1,
+        dialog_repeat: 1,
         region_words: false,
     };
     let data = load_dataset(path, &opts, &model.tokenizer().unwrap(), &model.image_config).unwrap();

@@ -42,6 +42,7 @@ fn data_options() -> DataOptions {
         skip_bad_records: false,
         ask_repeat: 1,
         say_repeat: 1,
+        dialog_repeat: 1,
         region_words: false,
     }
 }
@@ -452,6 +453,16 @@ fn region_targets_name_what_each_screen_token_shows() {
     let more = DataOptions { task_mode, ask_repeat: 2, say_repeat: 3, ..opts.clone() };
     let m = data::load_dataset(&data, &more, &tok, &images).unwrap();
     assert_eq!(m.samples.len(), a.samples.len() + 3 * asked_steps, "one more ask and two more answers each");
+    // `--dialog-repeat` copies the steps after an episode's first asked step that are not asked themselves.
+    let in_dialog: usize = episodes
+        .iter()
+        .filter_map(|ep| ep.steps.iter().position(|st| st.ask.is_some()).map(|f| (ep, f)))
+        .map(|(ep, f)| ep.steps[f + 1..].iter().filter(|st| st.ask.is_none()).count())
+        .sum();
+    assert!(in_dialog > 0, "the ambiguous world has steps after an answer");
+    let dialog = DataOptions { task_mode, dialog_repeat: 3, ..opts.clone() };
+    let m = data::load_dataset(&data, &dialog, &tok, &images).unwrap();
+    assert_eq!(m.samples.len(), a.samples.len() + 2 * in_dialog, "two more copies of each step after an answer");
     assert!(asked > 0, "the ambiguous world has asked steps that act on a point");
 }
 

@@ -53,6 +53,7 @@ fn an_episode_that_validate_rejects_is_a_bad_record() {
         skip_bad_records: false,
         ask_repeat: 1,
         say_repeat: 1,
+        dialog_repeat: 1,
         region_words: false,
     };
     let e = load_dataset(&data, &opts, &tok, &images).expect_err("the off-screen click is refused");
