@@ -7,10 +7,15 @@
 //! stage `i` from `x_i` as a fresh leaf and backpropagates `sum(stage_i(x_i) * g_{i+1})` plus the stage's
 //! side loss (e.g. an auxiliary loss on an intermediate layer), which gives `g_i` and the stage's parameter
 //! gradients. Peak memory is the stage inputs plus one stage's graph; the cost, one more forward of every
-//! stage but the last. Without checkpointing the same chain runs as one graph, so the two modes are tested
+//! stage but the last. A stage that maps row ranges of its input independently ([`Stage::rowwise`], a
+//! vision block over several images) runs range by range in the forward and in the recomputation, so its
+//! graph is one range's, not the whole batch's. Without checkpointing the same chain runs as one graph, so the two modes are tested
 //! against each other. Stages before the first with parameters run once, without a graph. The returned
 //! [`GradStore`] holds the parameters' gradients only (candle's own also keeps those of constants such as
 //! rotary tables). Reference: Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost".
+
+use std::ops::Range;
+use std::rc::Rc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
@@ -20,16 +25,50 @@ use crate::error::{ModelError, Result};
 /// A stage's function: the previous stage's output to this stage's, and its side loss if it has one.
 type StageFn<'a> = Box<dyn Fn(&Tensor) -> Result<(Tensor, Option<Tensor>)> + 'a>;
 
+/// A row-wise stage's function of one range: `(range, x rows of that range) -> output rows`.
+type RowsFn<'a> = Rc<dyn Fn(&Range<usize>, &Tensor) -> Result<Tensor> + 'a>;
+
 /// One link of the chain.
 pub(crate) struct Stage<'a> {
     /// Whether the function reads any trainable parameter.
     pub has_params: bool,
     pub f: StageFn<'a>,
+    /// For [`Self::rowwise`]: the ranges of dim 0 and the function of one.
+    rows: Option<(Vec<Range<usize>>, RowsFn<'a>)>,
 }
 
 impl<'a> Stage<'a> {
     pub fn new(has_params: bool, f: impl Fn(&Tensor) -> Result<Tensor> + 'a) -> Self {
-        Self { has_params, f: Box::new(move |x: &Tensor| Ok((f(x)?, None))) }
+        Self { has_params, f: Box::new(move |x: &Tensor| Ok((f(x)?, None))), rows: None }
+    }
+
+    /// A stage whose output rows in each of `ranges` (consecutive, covering dim 0 of its input) depend on
+    /// that range's input rows alone: `f(range, x.narrow(0, range))`, concatenated. No side loss.
+    pub fn rowwise(
+        has_params: bool,
+        ranges: Vec<Range<usize>>,
+        f: impl Fn(&Range<usize>, &Tensor) -> Result<Tensor> + 'a,
+    ) -> Self {
+        let f: RowsFn<'a> = Rc::new(f);
+        let (whole, ranges_whole) = (f.clone(), ranges.clone());
+        Self {
+            has_params,
+            f: Box::new(move |x: &Tensor| {
+                let parts = ranges_whole.iter().map(|r| whole(r, &x.narrow(0, r.start, r.len())?));
+                Ok((Tensor::cat(&parts.collect::<Result<Vec<_>>>()?, 0)?, None))
+            }),
+            rows: Some((ranges, f)),
+        }
+    }
+
+    /// The stage's output without a graph; a row-wise stage keeps one range's graph at a time.
+    fn detached(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        let Some((ranges, f)) = &self.rows else {
+            let (y, side) = (self.f)(x)?;
+            return Ok((y.detach(), side.map(|t| t.detach())));
+        };
+        let parts = ranges.iter().map(|r| Ok(f(r, &x.narrow(0, r.start, r.len())?)?.detach()));
+        Ok((Tensor::cat(&parts.collect::<Result<Vec<_>>>()?, 0)?, None))
     }
 
     /// A stage that also returns a side loss (a scalar) added to the chain's loss.
@@ -40,6 +79,7 @@ impl<'a> Stage<'a> {
                 let (y, side) = f(x)?;
                 Ok((y, Some(side)))
             }),
+            rows: None,
         }
     }
 }
@@ -59,9 +99,9 @@ pub(crate) fn forward(x0: &Tensor, stages: &[Stage]) -> Result<(Tensor, Option<T
     let mut x = x0.detach();
     let mut sides = None;
     for s in stages {
-        let (y, side) = (s.f)(&x)?;
-        x = y.detach();
-        sides = add(sides, side.map(|t| t.detach()))?;
+        let (y, side) = s.detached(&x)?;
+        x = y;
+        sides = add(sides, side)?;
     }
     Ok((x, sides))
 }
@@ -110,12 +150,16 @@ pub(crate) fn forward_backward(
     let mut inputs = Vec::with_capacity(last - first + 1);
     for s in &stages[first..last] {
         inputs.push(x.clone());
-        x = (s.f)(&x)?.0.detach();
+        x = s.detached(&x)?.0;
     }
     inputs.push(x);
     let mut loss = lead;
     let mut g: Option<Tensor> = None;
     for (i, input) in (first..last + 1).zip(inputs).rev() {
+        if let (Some((ranges, f)), Some(gy)) = (&stages[i].rows, &g) {
+            g = rowwise_backward((ranges, f), &input, gy, i > first, params, &mut out)?;
+            continue;
+        }
         // The first differentiable stage's input needs no gradient: it stays a constant.
         let leaf = if i > first { Some(Var::from_tensor(&input)?) } else { None };
         let (y, side) = (stages[i].f)(leaf.as_ref().map(|v| v.as_tensor()).unwrap_or(&input))?;
@@ -143,6 +187,33 @@ pub(crate) fn forward_backward(
         }
     }
     Ok((loss.expect("the last stage always runs"), out))
+}
+
+/// The recomputation of a row-wise stage, one range at a time: each range's parameter gradients go to
+/// `out`, and (when `need_input_grad`) its input rows' gradients are concatenated into the returned one.
+fn rowwise_backward(
+    (ranges, f): (&[Range<usize>], &RowsFn),
+    input: &Tensor,
+    gy: &Tensor,
+    need_input_grad: bool,
+    params: &[Var],
+    out: &mut GradStore,
+) -> Result<Option<Tensor>> {
+    let mut gx = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let rows = input.narrow(0, r.start, r.len())?;
+        let leaf = if need_input_grad { Some(Var::from_tensor(&rows)?) } else { None };
+        let y = f(r, leaf.as_ref().map(|v| v.as_tensor()).unwrap_or(&rows))?;
+        let grads = (y * gy.narrow(0, r.start, r.len())?)?.sum_all()?.backward()?;
+        collect(&grads, params, out)?;
+        if let Some(leaf) = leaf {
+            gx.push(match grads.get(leaf.as_tensor()) {
+                Some(g) => g.detach(),
+                None => leaf.zeros_like()?,
+            });
+        }
+    }
+    Ok(if need_input_grad { Some(Tensor::cat(&gx, 0)?) } else { None })
 }
 
 /// Adds the gradients of `params` found in `grads` to `out`, detached: candle does not detach the
@@ -265,6 +336,46 @@ mod tests {
             assert_eq!(calls.get(), 1);
             assert_eq!(loss.to_scalar::<f64>()?, 22.0);
             assert_eq!(g.get(w.as_tensor()).unwrap().to_vec1::<f64>()?, [2.0, 4.0]);
+        }
+        Ok(())
+    }
+
+    /// A row-wise stage gives the plain stage's loss and gradients (its input's included) in both modes,
+    /// and runs range by range, in the forward and again in the recomputation.
+    #[test]
+    fn rowwise_stage_matches_the_plain_one_range_by_range() -> Result<()> {
+        let dev = Device::Cpu;
+        let x0 = Tensor::new(&[[0.3f64, -1.2], [0.7, 0.1], [-0.4, 0.9]], &dev)?;
+        let w: Vec<Var> = [[0.5, 1.5], [0.2, -0.1], [1.0, 2.0]].iter().map(|v| Var::new(v, &dev).unwrap()).collect();
+        let seen = std::cell::RefCell::new(Vec::new());
+        let mid = |x: &Tensor| Ok(x.broadcast_mul(w[1].as_tensor())?.exp()?);
+        let chain = |rowwise: bool| {
+            vec![
+                Stage::new(true, |x: &Tensor| Ok(x.broadcast_mul(w[0].as_tensor())?.tanh()?)),
+                match rowwise {
+                    true => Stage::rowwise(true, vec![0..1, 1..3], |r: &Range<usize>, x: &Tensor| {
+                        seen.borrow_mut().push(r.clone());
+                        mid(x)
+                    }),
+                    false => Stage::new(true, mid),
+                },
+                Stage::new(true, |x: &Tensor| Ok(x.broadcast_mul(w[2].as_tensor())?.sum_all()?)),
+            ]
+        };
+        let (plain, rowwise) = (chain(false), chain(true));
+        for checkpointing in [false, true] {
+            seen.borrow_mut().clear();
+            let (l0, g0) = forward_backward(&x0, &plain, &w, checkpointing)?;
+            let (l1, g1) = forward_backward(&x0, &rowwise, &w, checkpointing)?;
+            assert!((l0.to_scalar::<f64>()? - l1.to_scalar::<f64>()?).abs() < 1e-14);
+            for v in &w {
+                let d = (g0.get(v.as_tensor()).unwrap() - g1.get(v.as_tensor()).unwrap())?;
+                let d = d.abs()?.max_all()?.to_scalar::<f64>()?;
+                assert!(d < 1e-14, "gradient off by {d}, checkpointing {checkpointing}");
+            }
+            let runs = if checkpointing { 2 } else { 1 };
+            let want: Vec<Range<usize>> = [0..1, 1..3].iter().cycle().take(2 * runs).cloned().collect();
+            assert_eq!(*seen.borrow(), want, "checkpointing {checkpointing}");
         }
         Ok(())
     }

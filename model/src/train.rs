@@ -13,6 +13,7 @@
 //! `tests/kernel_choice.rs`.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::Path;
 
 use askgui_kernels::AttentionMask;
@@ -30,7 +31,7 @@ use crate::model::{mrope_positions, Qwen2Vl};
 use crate::peft::{matches_target, Adapter, LoraConfig};
 use crate::random_init::write_checkpoint;
 use crate::recompute::{self, Stage};
-use crate::train_ops::TrainCtx;
+use crate::train_ops::{TrainCtx, VISION_ROWS};
 
 /// One training sequence: token ids, which of them are supervised, and its images.
 #[derive(Debug, Clone)]
@@ -66,11 +67,22 @@ pub struct StepOptions {
     /// the loss and gradients are those of the padded batch (up to float reassociation). LoRA dropout
     /// draws other masks for the other shape.
     pub pack: bool,
+    /// The most patch rows a vision block runs at once (consecutive frames up to it, a larger frame
+    /// alone; 0: the whole batch at once): with checkpointing, a vision block's graph then holds one
+    /// range, not every image of the batch. The result is the same up to float summation order.
+    pub vision_rows: usize,
 }
 
 impl Default for StepOptions {
     fn default() -> Self {
-        Self { checkpointing: true, dropout_seed: 0, region_weight: 0.0, region_layer: 1, pack: false }
+        Self {
+            checkpointing: true,
+            dropout_seed: 0,
+            region_weight: 0.0,
+            region_layer: 1,
+            pack: false,
+            vision_rows: VISION_ROWS,
+        }
     }
 }
 
@@ -403,7 +415,8 @@ impl Qwen2Vl {
         if self.base_is_trainable() {
             params.extend(self.base_vars()?.into_iter().map(|(_, v)| v));
         }
-        let ctx = self.train_ctx(opts.dropout_seed)?;
+        let mut ctx = self.train_ctx(opts.dropout_seed)?;
+        ctx.vision_rows = opts.vision_rows;
         let head = Head::Loss { region_weight: opts.region_weight, region_layer: opts.region_layer };
         let chain = self.train_chain(batch, &ctx, opts.pack, head)?;
         let (loss, grads) = recompute::forward_backward(&chain.x0, &chain.stages, &params, opts.checkpointing)?;
@@ -580,11 +593,14 @@ impl Qwen2Vl {
             let prep = prep.clone();
             stages.push(Stage::new(true, move |_: &Tensor| self.vision.embed_patches(&pv, &prep.layout)));
         }
+        // Each block runs frame range by frame range: with checkpointing, its graph holds one range.
+        let ranges = prep.frame_ranges(ctx.vision_rows);
         for i in 0..self.vision.depth() {
             let prep = prep.clone();
-            stages.push(Stage::new(trainable(self.vision.stage_linears(i)), move |x: &Tensor| {
-                self.vision.block(i, x, &prep, Some(ctx))
-            }));
+            let f = move |r: &Range<usize>, x: &Tensor| {
+                self.vision.block_rows(i, x, &prep, r, Some(&ctx.for_rows(r.start)))
+            };
+            stages.push(Stage::rowwise(trainable(self.vision.stage_linears(i)), ranges.clone(), f));
         }
         let ids = ids.clone();
         stages.push(Stage::new(trainable(self.vision.stage_linears(self.vision.depth())), move |x: &Tensor| {

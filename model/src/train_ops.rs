@@ -18,6 +18,10 @@ use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::layers::{matmul_t, Linear};
 
+/// [`crate::StepOptions::vision_rows`] by default: a 1080x2400 phone screenshot at the default pixel budget
+/// is 5,088 patch rows, so each runs alone, and the demo's small screens run a whole batch at once.
+pub(crate) const VISION_ROWS: usize = 8192;
+
 /// State of one training forward: the LoRA dropout probability and its seed, and which ops run.
 pub struct TrainCtx {
     dropout: f64,
@@ -25,6 +29,8 @@ pub struct TrainCtx {
     /// Full training: the base weights are `Var`s and get gradients ([`crate::Qwen2Vl::make_base_trainable`]).
     pub(crate) full: bool,
     kernels: KernelChoice,
+    /// [`crate::StepOptions::vision_rows`].
+    pub(crate) vision_rows: usize,
 }
 
 impl TrainCtx {
@@ -32,7 +38,14 @@ impl TrainCtx {
         if !(0.0..1.0).contains(&dropout) {
             return Err(ModelError::Train(format!("lora_dropout is {dropout}; it must be in [0, 1)")));
         }
-        Ok(Self { dropout, seed, full: false, kernels })
+        Ok(Self { dropout, seed, full: false, kernels, vision_rows: VISION_ROWS })
+    }
+
+    /// This context for the rows from `start` of a stage that runs range by range: the dropout masks of
+    /// each range come from a seed of its own (the same one at 0, so a single range draws what the whole
+    /// stage would), and its recomputation draws them again.
+    pub(crate) fn for_rows(&self, start: usize) -> Self {
+        Self { seed: self.seed ^ (start as u64).wrapping_mul(0xd6e8_feb8_6659_fd93), ..*self }
     }
 
     fn reference(&self) -> bool {

@@ -8,6 +8,8 @@
 //! For windows, rows are first permuted window by window (so that each window is a contiguous segment
 //! of a block-diagonal attention) and permuted back after the merger (Qwen2.5-VL report, section 2.1.1).
 
+use std::ops::Range;
+
 use askgui_kernels::AttentionMask;
 use candle_core::{DType, Device, Tensor};
 
@@ -100,6 +102,26 @@ pub(crate) struct VisionPrep {
     cos: Tensor,
     sin: Tensor,
     pub(crate) layout: Layout,
+}
+
+impl VisionPrep {
+    /// The patch rows split at frame boundaries into consecutive ranges of at most `max_rows` rows (a
+    /// larger frame alone; 0: one range), for a training stage that runs a block range by range.
+    pub(crate) fn frame_ranges(&self, max_rows: usize) -> Vec<Range<usize>> {
+        let cu = &self.layout.cu_full;
+        let total = *cu.last().expect("cu_full starts at 0");
+        if max_rows == 0 {
+            return std::iter::once(0..total).collect();
+        }
+        let mut out: Vec<Range<usize>> = Vec::new();
+        for w in cu.windows(2) {
+            match out.last_mut() {
+                Some(r) if w[1] - r.start <= max_rows => r.end = w[1],
+                _ => out.push(w[0]..w[1]),
+            }
+        }
+        out
+    }
 }
 
 /// Patch coordinates and attention segments of a batch of images.
@@ -323,13 +345,32 @@ impl VisionTower {
 
     /// Block `i`: `x (P, hidden) -> (P, hidden)`, pre-norm attention then MLP, both residual.
     pub(crate) fn block(&self, i: usize, x: &Tensor, prep: &VisionPrep, train: Option<&TrainCtx>) -> Result<Tensor> {
+        self.block_rows(i, x, prep, &(0..x.dim(0)?), train)
+    }
+
+    /// Block `i` over the patch rows `rows` alone (`x` holds those rows): `rows` must start and end on
+    /// frame boundaries ([`VisionPrep::frame_ranges`]), where attention does not cross.
+    pub(crate) fn block_rows(
+        &self,
+        i: usize,
+        x: &Tensor,
+        prep: &VisionPrep,
+        rows: &Range<usize>,
+        train: Option<&TrainCtx>,
+    ) -> Result<Tensor> {
         let b = &self.blocks[i];
         let cu = if self.cfg.window_size.is_some() && !self.cfg.fullatt_block_indexes.contains(&i) {
             &prep.layout.cu_window
         } else {
             &prep.layout.cu_full
         };
-        let x = (x + self.attention(b, &b.norm1.forward(x, train, self.kernels)?, &prep.cos, &prep.sin, cu, train)?)?;
+        let cu: Vec<usize> =
+            cu.iter().filter(|c| rows.contains(c) || **c == rows.end).map(|c| c - rows.start).collect();
+        if cu.first() != Some(&0) || cu.last() != Some(&rows.len()) {
+            return Err(ModelError::Train(format!("vision rows {rows:?} do not fall on attention segment boundaries")));
+        }
+        let (cos, sin) = (prep.cos.narrow(0, rows.start, rows.len())?, prep.sin.narrow(0, rows.start, rows.len())?);
+        let x = (x + self.attention(b, &b.norm1.forward(x, train, self.kernels)?, &cos, &sin, &cu, train)?)?;
         let h = b.norm2.forward(&x, train, self.kernels)?;
         let act = self.cfg.hidden_act;
         let mlp = match &b.mlp {

@@ -126,7 +126,7 @@ fn region_loss_is_a_weighted_side_loss_with_exact_gradients() -> anyhow::Result<
         dropout_seed: 0,
         region_weight: w,
         region_layer: layer,
-        pack: false,
+        ..Default::default()
     };
     assert_eq!(model.loss_and_grads(&batch, &opts(0.0, 1, true))?.loss, plain, "weight 0 leaves it out");
 

@@ -242,20 +242,52 @@ fn batched_loss_and_gradients_match_peft() -> anyhow::Result<()> {
     assert_eq!((batch.len(), batch[0].grid_thw.len()), (2, 2), "fixture layout; {REGENERATE_GRAD}");
     assert!(batch[0].ids.len() != batch[1].ids.len(), "the fixture's sequences should differ in length");
 
-    let out = c.model.loss_and_grads(&batch, &StepOptions::default())?;
-    let want_l = get(&want, "loss").to_scalar::<f32>()? as f64;
-    let rel = (out.loss - want_l).abs() / want_l.abs();
-    eprintln!("batched loss {:.7} vs PEFT {want_l:.7}: relative diff {rel:.3e}", out.loss);
-    assert!(rel <= 1e-5, "loss {} vs PEFT {want_l}; {REGENERATE_GRAD}", out.loss);
-    assert_eq!(out.supervised_tokens, sup.iter().filter(|&&m| m != 0).count());
-    let mut worst = 0f64;
-    for (name, v) in c.model.trainable_vars("peft")? {
-        let g = out.grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient"));
-        let (max, _, scale) = diff(g, get(&want, &name));
-        assert!(scale > 0.0 && max <= 1e-4 * scale, "{name}: gradient differs by {max} (scale {scale})");
-        worst = worst.max(max / scale);
+    // The vision blocks over the three images at once (the default here), and image by image
+    // (`vision_rows` 1: every frame a range of its own).
+    for vision_rows in [StepOptions::default().vision_rows, 1] {
+        let out = c.model.loss_and_grads(&batch, &StepOptions { vision_rows, ..Default::default() })?;
+        let want_l = get(&want, "loss").to_scalar::<f32>()? as f64;
+        let rel = (out.loss - want_l).abs() / want_l.abs();
+        eprintln!(
+            "vision_rows {vision_rows}: batched loss {:.7} vs PEFT {want_l:.7}: relative diff {rel:.3e}",
+            out.loss
+        );
+        assert!(rel <= 1e-5, "loss {} vs PEFT {want_l}; {REGENERATE_GRAD}", out.loss);
+        assert_eq!(out.supervised_tokens, sup.iter().filter(|&&m| m != 0).count());
+        let mut worst = 0f64;
+        for (name, v) in c.model.trainable_vars("peft")? {
+            let g = out.grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient"));
+            let (max, _, scale) = diff(g, get(&want, &name));
+            assert!(scale > 0.0 && max <= 1e-4 * scale, "{name}: gradient differs by {max} (scale {scale})");
+            worst = worst.max(max / scale);
+        }
+        eprintln!("vision_rows {vision_rows}: batched gradients: largest diff / max magnitude {worst:.3e}");
     }
-    eprintln!("batched gradients: largest diff / max magnitude {worst:.3e}");
+    Ok(())
+}
+
+/// Image by image, with LoRA dropout on: each range draws masks of its own, and the recomputation draws
+/// them again, so checkpointing gives the one-graph loss and gradients (tolerances of
+/// `checkpointing_gives_the_one_graph_gradients`).
+#[test]
+fn image_by_image_checkpointing_gives_the_one_graph_gradients() -> anyhow::Result<()> {
+    let mut c = peft_case()?;
+    c.model.set_adapter_dropout("peft", 0.3)?;
+    let batch = peft_batch(&load_st("lora/grad/batch.safetensors"), c.model.cfg.vision_start_token_id);
+    let run = |checkpointing: bool| {
+        c.model.loss_and_grads(
+            &batch,
+            &StepOptions { checkpointing, vision_rows: 1, dropout_seed: 3, ..Default::default() },
+        )
+    };
+    let (full, ckpt) = (run(false)?, run(true)?);
+    assert!((full.loss - ckpt.loss).abs() <= 1e-6 * full.loss.abs(), "{} vs {}", full.loss, ckpt.loss);
+    for (name, v) in c.model.trainable_vars("peft")? {
+        let a = full.grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient (one graph)"));
+        let b = ckpt.grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient (checkpointed)"));
+        let (max, _, scale) = diff(b, a);
+        assert!(scale > 0.0 && max <= 1e-5 * scale, "{name}: differs by {max} (scale {scale})");
+    }
     Ok(())
 }
 

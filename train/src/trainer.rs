@@ -427,6 +427,7 @@ fn step_options(cfg: &TrainConfig, step: usize, micro: usize) -> StepOptions {
         region_weight: cfg.data.region_weight,
         region_layer: cfg.data.region_layer,
         pack: cfg.optim.packing,
+        ..StepOptions::default()
     }
 }
 
