@@ -9,10 +9,11 @@
 //! gradients. Peak memory is the stage inputs plus one stage's graph; the cost, one more forward of every
 //! stage but the last. A stage that maps row ranges of its input independently ([`Stage::rowwise`], a
 //! vision block over several images) runs range by range in the forward and in the recomputation, so its
-//! graph is one range's, not the whole batch's. Without checkpointing the same chain runs as one graph, so the two modes are tested
-//! against each other. Stages before the first with parameters run once, without a graph. The returned
-//! [`GradStore`] holds the parameters' gradients only (candle's own also keeps those of constants such as
-//! rotary tables). Reference: Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost".
+//! graph is one range's, not the whole batch's. Without checkpointing the same chain runs as one graph,
+//! so the two modes are tested against each other. Stages before the first with parameters run once,
+//! without a graph. The returned [`GradStore`] holds the parameters' gradients only (candle's own also
+//! keeps those of constants such as rotary tables). Reference: Chen et al. 2016, "Training Deep Nets with
+//! Sublinear Memory Cost".
 
 use std::ops::Range;
 use std::rc::Rc;
