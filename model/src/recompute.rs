@@ -54,22 +54,20 @@ impl<'a> Stage<'a> {
         let (whole, ranges_whole) = (f.clone(), ranges.clone());
         Self {
             has_params,
-            f: Box::new(move |x: &Tensor| {
-                let parts = ranges_whole.iter().map(|r| whole(r, &x.narrow(0, r.start, r.len())?));
-                Ok((Tensor::cat(&parts.collect::<Result<Vec<_>>>()?, 0)?, None))
-            }),
+            f: Box::new(move |x: &Tensor| Ok((by_rows((&ranges_whole, &whole), x, false)?, None))),
             rows: Some((ranges, f)),
         }
     }
 
     /// The stage's output without a graph; a row-wise stage keeps one range's graph at a time.
     fn detached(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
-        let Some((ranges, f)) = &self.rows else {
-            let (y, side) = (self.f)(x)?;
-            return Ok((y.detach(), side.map(|t| t.detach())));
-        };
-        let parts = ranges.iter().map(|r| Ok(f(r, &x.narrow(0, r.start, r.len())?)?.detach()));
-        Ok((Tensor::cat(&parts.collect::<Result<Vec<_>>>()?, 0)?, None))
+        match &self.rows {
+            Some((ranges, f)) => Ok((by_rows((ranges, f), x, true)?, None)),
+            None => {
+                let (y, side) = (self.f)(x)?;
+                Ok((y.detach(), side.map(|t| t.detach())))
+            }
+        }
     }
 
     /// A stage that also returns a side loss (a scalar) added to the chain's loss.
@@ -83,6 +81,17 @@ impl<'a> Stage<'a> {
             rows: None,
         }
     }
+}
+
+/// A row-wise stage's output: `f` over each range of `x`'s rows, concatenated; with `detach`, each range's
+/// graph is dropped before the next range runs.
+fn by_rows((ranges, f): (&[Range<usize>], &RowsFn), x: &Tensor, detach: bool) -> Result<Tensor> {
+    let mut parts = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let y = f(r, &x.narrow(0, r.start, r.len())?)?;
+        parts.push(if detach { y.detach() } else { y });
+    }
+    Ok(Tensor::cat(&parts, 0)?)
 }
 
 /// `a + b` where either may be absent.
