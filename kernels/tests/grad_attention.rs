@@ -15,6 +15,7 @@ mod common;
 use anyhow::{ensure, Result};
 use askgui_kernels::ops::attention;
 use askgui_kernels::ops::attention::attention_grads_recomputing_lse;
+use askgui_kernels::ops::{attention_replay, attention_saving};
 use askgui_kernels::{attention_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor, Var};
 use common::tol::{compare_tensors, ensure_close, FD, REF_ATTN_F32, REF_ATTN_F32_GRAD};
@@ -198,6 +199,52 @@ fn gradients_match_finite_differences_f64() -> Result<()> {
             ensure_close(&format!("{} {what} vs finite differences", case.name), dims, &analytic, &numeric, FD)?;
         }
     }
+    Ok(())
+}
+
+/// A replayed forward (gradient checkpointing's recomputation) gives bitwise the output and gradients of
+/// computing it again, in f32, f64 and bf16 and for every mask; a saved forward of another shape is
+/// refused.
+#[test]
+fn replay_is_bitwise_the_op() -> Result<()> {
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        for case in cases() {
+            let pad = case.padding()?;
+            let args = (case.mask(), pad.as_ref(), case.scale());
+            let [q, k, v] = case.inputs(dtype)?;
+            let (o, saved) = attention_saving(&q, &k, &v, args.0, args.1, args.2)?;
+            let saved = saved.ok_or_else(|| anyhow::anyhow!("{}: the CPU forward saved nothing", case.name))?;
+            let r = tensor(o.dims(), 99, dtype)?;
+            let run = |replay: bool| -> Result<Vec<Vec<f64>>> {
+                let vars = [&q, &k, &v].map(|t| Var::from_tensor(t).expect("a contiguous tensor"));
+                let [qv, kv, vv] = &vars;
+                let y = match replay {
+                    true => attention_replay(qv, kv, vv, args, saved.clone())?,
+                    false => attention(qv, kv, vv, args.0, args.1, args.2)?,
+                };
+                let g = (&y * &r)?.sum_all()?.backward()?;
+                let mut out = vec![flat(&y)?];
+                for t in &vars {
+                    let gt = g.get(t).ok_or_else(|| anyhow::anyhow!("{}: missing a gradient", case.name))?;
+                    out.push(flat(gt)?);
+                }
+                Ok(out)
+            };
+            let (fresh, replayed) = (run(false)?, run(true)?);
+            let same = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            ensure!(same(&flat(&o)?, &fresh[0]), "{} {dtype:?}: the saving forward differs from the op", case.name);
+            for (what, (a, b)) in ["output", "dq", "dk", "dv"].iter().zip(fresh.iter().zip(&replayed)) {
+                ensure!(a.len() == b.len() && same(a, b), "{} {dtype:?}: replayed {what} differs", case.name);
+            }
+        }
+    }
+    let case = &cases()[0];
+    let [q, k, v] = case.inputs(DType::F32)?;
+    let (_, saved) = attention_saving(&q, &k, &v, case.mask(), None, case.scale())?;
+    let q2 = q.narrow(2, 0, 5)?;
+    let args = (case.mask(), None, case.scale());
+    let err = attention_replay(&q2, &k, &v, args, saved.expect("saved")).err().map(|e| e.to_string());
+    ensure!(err.as_deref().is_some_and(|e| e.contains("does not match q")), "got {err:?}");
     Ok(())
 }
 

@@ -9,11 +9,13 @@
 //! Hugging Face transformers on tiny random checkpoints made by `scripts/fixtures/make_fixtures.py` (see
 //! `tests/parity.rs`).
 //!
-//! Modules import only downwards, in this order: [`error`]; [`adapter_slot`], [`config`], [`device`],
-//! [`weights`], [`image`], [`peft`], [`recompute`]; [`chat`], [`layers`], [`random_init`]; [`train_ops`];
-//! [`text`], [`vision`]; [`model`]; [`lora`], [`generate`](mod@generate), [`train`].
+//! Modules import only downwards, in this order: [`error`], [`attention_memo`]; [`adapter_slot`],
+//! [`config`], [`device`], [`weights`], [`image`], [`peft`], [`recompute`]; [`chat`], [`layers`],
+//! [`random_init`]; [`train_ops`]; [`text`], [`vision`]; [`model`]; [`lora`], [`generate`](mod@generate),
+//! [`train`].
 
 pub mod adapter_slot;
+pub mod attention_memo;
 pub mod chat;
 pub mod config;
 pub mod device;

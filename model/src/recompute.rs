@@ -12,8 +12,10 @@
 //! graph is one range's, not the whole batch's. Without checkpointing the same chain runs as one graph,
 //! so the two modes are tested against each other. Stages before the first with parameters run once,
 //! without a graph. The returned [`GradStore`] holds the parameters' gradients only (candle's own also
-//! keeps those of constants such as rotary tables). Reference: Chen et al. 2016, "Training Deep Nets with
-//! Sublinear Memory Cost".
+//! keeps those of constants such as rotary tables). The stages' attention forwards are kept from the
+//! forward and replayed in the recomputation when the caller passes an [`AttentionMemo`] (this module
+//! tells it which stage runs, and whether it records or replays). Reference: Chen et al. 2016, "Training
+//! Deep Nets with Sublinear Memory Cost".
 
 use std::ops::Range;
 use std::rc::Rc;
@@ -21,6 +23,7 @@ use std::rc::Rc;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
+use crate::attention_memo::{AttentionMemo, Phase};
 use crate::error::{ModelError, Result};
 
 /// A stage's function: the previous stage's output to this stage's, and its side loss if it has one.
@@ -54,16 +57,20 @@ impl<'a> Stage<'a> {
         let (whole, ranges_whole) = (f.clone(), ranges.clone());
         Self {
             has_params,
-            f: Box::new(move |x: &Tensor| Ok((by_rows((&ranges_whole, &whole), x, false)?, None))),
+            f: Box::new(move |x: &Tensor| Ok((by_rows((&ranges_whole, &whole), x, None)?, None))),
             rows: Some((ranges, f)),
         }
     }
 
-    /// The stage's output without a graph; a row-wise stage keeps one range's graph at a time.
-    fn detached(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+    /// The stage's output without a graph; a row-wise stage keeps one range's graph at a time. With
+    /// `record = (memo, i)` (this is stage `i`, to be recomputed) its attention forwards are kept.
+    fn detached(&self, x: &Tensor, record: Option<(&AttentionMemo, usize)>) -> Result<(Tensor, Option<Tensor>)> {
         match &self.rows {
-            Some((ranges, f)) => Ok((by_rows((ranges, f), x, true)?, None)),
+            Some((ranges, f)) => Ok((by_rows((ranges, f), x, Some(record))?, None)),
             None => {
+                if let Some((memo, i)) = record {
+                    memo.enter(Phase::Record, i, 0);
+                }
                 let (y, side) = (self.f)(x)?;
                 Ok((y.detach(), side.map(|t| t.detach())))
             }
@@ -83,13 +90,21 @@ impl<'a> Stage<'a> {
     }
 }
 
-/// A row-wise stage's output: `f` over each range of `x`'s rows, concatenated; with `detach`, each range's
-/// graph is dropped before the next range runs.
-fn by_rows((ranges, f): (&[Range<usize>], &RowsFn), x: &Tensor, detach: bool) -> Result<Tensor> {
+/// A row-wise stage's output: `f` over each range of `x`'s rows, concatenated. `detached` (`Some`) drops
+/// each range's graph before the next range runs; `Some(Some((memo, i)))` also records each range's
+/// attention forwards as stage `i`'s.
+fn by_rows(
+    (ranges, f): (&[Range<usize>], &RowsFn),
+    x: &Tensor,
+    detached: Option<Option<(&AttentionMemo, usize)>>,
+) -> Result<Tensor> {
     let mut parts = Vec::with_capacity(ranges.len());
     for r in ranges {
+        if let Some(Some((memo, i))) = detached {
+            memo.enter(Phase::Record, i, r.start);
+        }
         let y = f(r, &x.narrow(0, r.start, r.len())?)?;
-        parts.push(if detach { y.detach() } else { y });
+        parts.push(if detached.is_some() { y.detach() } else { y });
     }
     Ok(Tensor::cat(&parts, 0)?)
 }
@@ -109,7 +124,7 @@ pub(crate) fn forward(x0: &Tensor, stages: &[Stage]) -> Result<(Tensor, Option<T
     let mut x = x0.detach();
     let mut sides = None;
     for s in stages {
-        let (y, side) = s.detached(&x)?;
+        let (y, side) = s.detached(&x, None)?;
         x = y;
         sides = add(sides, side)?;
     }
@@ -136,12 +151,27 @@ pub(crate) fn graph(x0: &Tensor, stages: &[Stage]) -> Result<Tensor> {
 }
 
 /// Runs the chain and its backward. The last stage must return a scalar (the loss); `params` are the
-/// `Var`s to return gradients for. Returns the (detached) loss and the parameters' gradients.
+/// `Var`s to return gradients for. With checkpointing and a `memo` (the one the stages' attention reads),
+/// the recomputation replays the forward's attention. Returns the (detached) loss and the parameters'
+/// gradients.
 pub(crate) fn forward_backward(
     x0: &Tensor,
     stages: &[Stage],
     params: &[Var],
-    checkpointing: bool,
+    (checkpointing, memo): (bool, Option<&AttentionMemo>),
+) -> Result<(Tensor, GradStore)> {
+    let out = run_backward(x0, stages, params, (checkpointing, memo));
+    if let Some(memo) = memo {
+        memo.clear();
+    }
+    out
+}
+
+fn run_backward(
+    x0: &Tensor,
+    stages: &[Stage],
+    params: &[Var],
+    (checkpointing, memo): (bool, Option<&AttentionMemo>),
 ) -> Result<(Tensor, GradStore)> {
     let Some(last) = stages.len().checked_sub(1) else {
         return Err(ModelError::Train("an empty chain has no loss".into()));
@@ -158,17 +188,23 @@ pub(crate) fn forward_backward(
         return Ok((add(Some(loss.detach()), lead)?.expect("present"), out));
     }
     let mut inputs = Vec::with_capacity(last - first + 1);
-    for s in &stages[first..last] {
+    for (i, s) in (first..last).zip(&stages[first..last]) {
         inputs.push(x.clone());
-        x = s.detached(&x)?.0;
+        x = s.detached(&x, memo.map(|m| (m, i)))?.0;
     }
     inputs.push(x);
     let mut loss = lead;
     let mut g: Option<Tensor> = None;
     for (i, input) in (first..last + 1).zip(inputs).rev() {
+        // The last stage ran no forward before: nothing to replay.
+        let phase = if i < last { Phase::Replay } else { Phase::Off };
         if let (Some((ranges, f)), Some(gy)) = (&stages[i].rows, &g) {
-            g = rowwise_backward((ranges, f), &input, gy, i > first, params, &mut out)?;
+            let replay = memo.map(|m| (m, i));
+            g = rowwise_backward((ranges, f), (&input, gy), (i > first, replay), params, &mut out)?;
             continue;
+        }
+        if let Some(memo) = memo {
+            memo.enter(phase, i, 0);
         }
         // The first differentiable stage's input needs no gradient: it stays a constant.
         let leaf = if i > first { Some(Var::from_tensor(&input)?) } else { None };
@@ -201,16 +237,19 @@ pub(crate) fn forward_backward(
 
 /// The recomputation of a row-wise stage, one range at a time: each range's parameter gradients go to
 /// `out`, and (when `need_input_grad`) its input rows' gradients are concatenated into the returned one.
+/// With `replay = (memo, i)` each range replays the attention forwards stage `i` recorded for it.
 fn rowwise_backward(
     (ranges, f): (&[Range<usize>], &RowsFn),
-    input: &Tensor,
-    gy: &Tensor,
-    need_input_grad: bool,
+    (input, gy): (&Tensor, &Tensor),
+    (need_input_grad, replay): (bool, Option<(&AttentionMemo, usize)>),
     params: &[Var],
     out: &mut GradStore,
 ) -> Result<Option<Tensor>> {
     let mut gx = Vec::with_capacity(ranges.len());
     for r in ranges {
+        if let Some((memo, i)) = replay {
+            memo.enter(Phase::Replay, i, r.start);
+        }
         let rows = input.narrow(0, r.start, r.len())?;
         let leaf = if need_input_grad { Some(Var::from_tensor(&rows)?) } else { None };
         let y = f(r, leaf.as_ref().map(|v| v.as_tensor()).unwrap_or(&rows))?;
@@ -272,9 +311,9 @@ mod tests {
                 Ok((x * w[2].as_tensor())?.sum_all()?)
             }),
         ];
-        let (l1, g1) = forward_backward(&x0, &stages, &w, false)?;
+        let (l1, g1) = forward_backward(&x0, &stages, &w, (false, None))?;
         assert_eq!(calls.iter().map(Cell::get).collect::<Vec<_>>(), [1, 1, 1]);
-        let (l2, g2) = forward_backward(&x0, &stages, &w, true)?;
+        let (l2, g2) = forward_backward(&x0, &stages, &w, (true, None))?;
         assert_eq!(calls.iter().map(Cell::get).collect::<Vec<_>>(), [3, 3, 2]);
         assert_eq!(l1.to_scalar::<f64>()?, l2.to_scalar::<f64>()?);
         for v in &w {
@@ -314,7 +353,7 @@ mod tests {
         // dL/dw0 = (w1 + k) * (1 - t^2) * x0; dL/dw1 = t.
         let want_g0 = ((w[1].as_tensor() + k)? * (1.0 - t.sqr()?)?)?.mul(&x0)?;
         for checkpointing in [false, true] {
-            let (loss, g) = forward_backward(&x0, &stages, &w, checkpointing)?;
+            let (loss, g) = forward_backward(&x0, &stages, &w, (checkpointing, None))?;
             assert!((loss.to_scalar::<f64>()? - want_loss).abs() < 1e-14, "loss, checkpointing {checkpointing}");
             for (v, want) in [(&w[0], &want_g0), (&w[1], &t)] {
                 let d = (g.get(v.as_tensor()).unwrap() - want)?.abs()?.max_all()?.to_scalar::<f64>()?;
@@ -342,7 +381,7 @@ mod tests {
         ];
         for checkpointing in [false, true] {
             calls.set(0);
-            let (loss, g) = forward_backward(&x0, &stages, std::slice::from_ref(&w), checkpointing)?;
+            let (loss, g) = forward_backward(&x0, &stages, std::slice::from_ref(&w), (checkpointing, None))?;
             assert_eq!(calls.get(), 1);
             assert_eq!(loss.to_scalar::<f64>()?, 22.0);
             assert_eq!(g.get(w.as_tensor()).unwrap().to_vec1::<f64>()?, [2.0, 4.0]);
@@ -375,8 +414,8 @@ mod tests {
         let (plain, rowwise) = (chain(false), chain(true));
         for checkpointing in [false, true] {
             seen.borrow_mut().clear();
-            let (l0, g0) = forward_backward(&x0, &plain, &w, checkpointing)?;
-            let (l1, g1) = forward_backward(&x0, &rowwise, &w, checkpointing)?;
+            let (l0, g0) = forward_backward(&x0, &plain, &w, (checkpointing, None))?;
+            let (l1, g1) = forward_backward(&x0, &rowwise, &w, (checkpointing, None))?;
             assert!((l0.to_scalar::<f64>()? - l1.to_scalar::<f64>()?).abs() < 1e-14);
             for v in &w {
                 let d = (g0.get(v.as_tensor()).unwrap() - g1.get(v.as_tensor()).unwrap())?;

@@ -419,7 +419,8 @@ impl Qwen2Vl {
         ctx.vision_rows = opts.vision_rows;
         let head = Head::Loss { region_weight: opts.region_weight, region_layer: opts.region_layer };
         let chain = self.train_chain(batch, &ctx, opts.pack, head)?;
-        let (loss, grads) = recompute::forward_backward(&chain.x0, &chain.stages, &params, opts.checkpointing)?;
+        let (loss, grads) =
+            recompute::forward_backward(&chain.x0, &chain.stages, &params, (opts.checkpointing, Some(&ctx.memo)))?;
         Ok(StepOutput {
             loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
             supervised_tokens: chain.supervised,

@@ -42,7 +42,7 @@ use super::exp::{exp_f32, exp_shifted_f32, split_shift};
 use super::gemm::{matmul, View};
 use super::{contiguous_slice, f32_slice, Float};
 use crate::attention::AttentionMask;
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
 
@@ -389,7 +389,10 @@ fn exp_shifted<T: WithDType>(xs: &mut [T], shift: f64) {
 /// [`Attention::bwd`].
 struct Attention {
     spec: Spec,
-    lse: Mutex<Option<Arc<Vec<f64>>>>,
+    /// Shared with [`attention_saving`]'s caller, which keeps it past the op.
+    lse: Arc<Mutex<Option<Arc<Vec<f64>>>>>,
+    /// The output of an earlier identical forward, returned instead of computing ([`attention_replay`]).
+    replay: Option<Tensor>,
     /// `(B, Hq, Tq)` f32 on the device, from the CUDA forward.
     #[cfg(feature = "cuda")]
     lse_cuda: Mutex<Option<Arc<CudaStorage>>>,
@@ -410,6 +413,9 @@ impl CustomOp3 for Attention {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let name = self.name();
+        if let Some(o) = &self.replay {
+            return replayed(o, l1);
+        }
         let (qd, kd, vd) = (l1.shape().dims(), l2.shape().dims(), l3.shape().dims());
         let dims = check_dims(name, qd, kd, vd, &self.spec.mask, self.spec.keep.is_some())?;
         let (out, lse) = match Float::of(name, &[("q", s1, l1), ("k", s2, l2), ("v", s3, l3)])? {
@@ -441,6 +447,9 @@ impl CustomOp3 for Attention {
         l3: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let name = self.name();
+        if self.replay.is_some() {
+            bail!("{name}: replaying a saved forward is CPU-only (attention_saving saves none on CUDA)")
+        }
         let (qd, kd, vd) = (l1.shape().dims(), l2.shape().dims(), l3.shape().dims());
         let dims = check_dims(name, qd, kd, vd, &self.spec.mask, self.spec.keep.is_some())?;
         let (out, lse) = cuda::forward(name, &self.spec, &dims, (s1, l1), (s2, l2), (s3, l3))?;
@@ -568,13 +577,86 @@ pub fn attention(
     scale: f64,
 ) -> Result<Tensor> {
     let spec = spec(q, k, v, mask, key_padding, scale)?;
+    apply(q, k, v, spec, Arc::default(), None)
+}
+
+/// A CPU attention forward kept for an identical later call: its output and logsumexp. Gradient
+/// checkpointing's recomputation of a layer replays it ([`attention_replay`]) instead of running the
+/// attention forward a second time; both are small next to the layer's graph (`Tq x D` and `Tq` per head).
+#[derive(Clone, Debug)]
+pub struct AttentionSaved {
+    out: Tensor,
+    lse: Arc<Vec<f64>>,
+}
+
+/// [`attention()`], also returning what [`attention_replay`] needs to give the same output and backward
+/// without computing the forward again; `None` on CUDA, whose logsumexp stays on the device.
+pub fn attention_saving(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: AttentionMask,
+    key_padding: Option<&Tensor>,
+    scale: f64,
+) -> Result<(Tensor, Option<AttentionSaved>)> {
+    let spec = spec(q, k, v, mask, key_padding, scale)?;
+    let lse: Arc<Mutex<Option<Arc<Vec<f64>>>>> = Arc::default();
+    let out = apply(q, k, v, spec, lse.clone(), None)?;
+    let lse = lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let saved = lse.map(|lse| AttentionSaved { out: out.detach(), lse });
+    Ok((out, saved))
+}
+
+/// The graph node of an attention call on the same `q, k, v` (and arguments) as the
+/// [`attention_saving`] call that gave `saved`: its forward returns the saved output, its backward is
+/// [`attention()`]'s with the saved logsumexp, so the result is bitwise that of computing again. Other
+/// inputs of the same shape would get wrong gradients: the caller keys saved forwards by the call that
+/// made them. A shape that differs from the saved one is an error.
+pub fn attention_replay(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    (mask, key_padding, scale): (AttentionMask, Option<&Tensor>, f64),
+    saved: AttentionSaved,
+) -> Result<Tensor> {
+    let spec = spec(q, k, v, mask, key_padding, scale)?;
+    apply(q, k, v, spec, Arc::new(Mutex::new(Some(saved.lse))), Some(saved.out))
+}
+
+/// Applies the forward op with `lse` as its logsumexp slot and `replay` as its precomputed output.
+fn apply(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: Spec,
+    lse: Arc<Mutex<Option<Arc<Vec<f64>>>>>,
+    replay: Option<Tensor>,
+) -> Result<Tensor> {
     let op = Attention {
         spec,
-        lse: Mutex::new(None),
+        lse,
+        replay,
         #[cfg(feature = "cuda")]
         lse_cuda: Mutex::new(None),
     };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// The storage of a replayed output `o` (a fresh copy: candle owns what a forward returns), which must
+/// have the shape of `q` (laid out by `ql`).
+fn replayed(o: &Tensor, ql: &Layout) -> Result<(CpuStorage, Shape)> {
+    if o.dims() != ql.dims() {
+        bail!(
+            "attention: the saved output {:?} does not match q {:?}; replay only the call that saved it",
+            o.dims(),
+            ql.dims()
+        )
+    }
+    let (storage, layout) = o.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(s), Some((0, end))) if end == o.elem_count() => Ok((s.clone(), ql.shape().clone())),
+        _ => bail!("attention: a saved output must be a whole contiguous CPU tensor"),
+    }
 }
 
 /// The op's data for these arguments, validated.

@@ -35,7 +35,7 @@ pub mod norm;
 pub mod paged_attention;
 pub mod rope;
 
-pub use attention::attention;
+pub use attention::{attention, attention_replay, attention_saving, AttentionSaved};
 pub use cross_entropy::{cross_entropy_masked, cross_entropy_masked_reference};
 pub use linear::{frozen_linear, frozen_linear_reference};
 pub use narrow::{dequantize_int8, int8_linear, narrow_linear_reference, quantize_int8};
