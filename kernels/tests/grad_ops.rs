@@ -14,7 +14,7 @@ mod common;
 use anyhow::{ensure, Result};
 use askgui_kernels::ops::{
     cross_entropy_masked, cross_entropy_masked_reference, frozen_linear, frozen_linear_reference, layer_norm,
-    layer_norm_frozen, rms_norm, rms_norm_frozen,
+    layer_norm_frozen, rms_norm, rms_norm_frozen, swiglu, swiglu_reference,
 };
 use askgui_kernels::{layer_norm_reference, rms_norm_reference};
 use candle_core::{DType, Device, Tensor, Var};
@@ -111,7 +111,9 @@ fn ops_in_bf16_are_the_f32_ops_rounded_once() -> Result<()> {
         let ln: &Op = &|t| layer_norm(&t[0], &t[1], &t[2], EPS);
         check_bf16("layer_norm", ln, &[x.clone(), w, b], &[0, 1, 2])?;
         let lin: &Op = &|t| frozen_linear(&t[0], &t[1]);
-        check_bf16("frozen_linear", lin, &[x, tensor(&[11, d], 7, DType::F32)?], &[0])?;
+        check_bf16("frozen_linear", lin, &[x.clone(), tensor(&[11, d], 7, DType::F32)?], &[0])?;
+        let act: &Op = &|t| swiglu(&t[0], &t[1]);
+        check_bf16("swiglu", act, &[(x * 4.0)?, tensor(dims, 8, DType::F32)?], &[0, 1])?;
     }
     for (n, v) in [(7, 13), (15, 31)] {
         let ce: &Op = &|t| cross_entropy_masked(&t[0], &t[1], &t[2]);
@@ -168,6 +170,22 @@ fn frozen_linear_matches_reference_and_finite_differences() -> Result<()> {
         compare_tensors(&format!("frozen_linear grad x {dims:?}"), dx, dx_ref, REF_F32)?;
         check_finite_differences("frozen_linear", op, &mk(DType::F64)?, &[0])?;
     }
+    Ok(())
+}
+
+/// Gates spread over [-40, 40) so that the sigmoid's two branches and its saturated tails are covered.
+#[test]
+fn swiglu_matches_reference_and_finite_differences() -> Result<()> {
+    let op: &Op = &|t| swiglu(&t[0], &t[1]);
+    for dims in SHAPES {
+        let mk = |dtype, spread: f64| -> Result<[Tensor; 2]> {
+            Ok([(tensor(dims, 9, dtype)? * spread)?, tensor(dims, 10, dtype)?])
+        };
+        check_against_reference("swiglu", op, &|t| swiglu_reference(&t[0], &t[1]), &mk(DType::F32, 40.0)?)?;
+        check_finite_differences("swiglu", op, &mk(DType::F64, 4.0)?, &[0, 1])?;
+    }
+    let err = swiglu(&tensor(&[3, 4], 1, DType::F32)?, &tensor(&[4, 3], 1, DType::F32)?).err().map(|e| e.to_string());
+    ensure!(err.as_deref().is_some_and(|e| e.contains("same shape")), "got {err:?}");
     Ok(())
 }
 

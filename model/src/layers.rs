@@ -90,6 +90,16 @@ pub fn activation(x: &Tensor, act: VisionAct) -> Result<Tensor> {
     }
 }
 
+/// `act(gate) * up`, a gated MLP's activation, for inference and training alike: with SiLU the kernels'
+/// one-pass op ([`ops::swiglu`], both gradients in one pass, `silu(gate)` never kept) where it has a
+/// kernel, else candle's ops (equal to 1e-5, `kernels/tests/grad_ops.rs`).
+pub(crate) fn gated(gate: &Tensor, up: &Tensor, act: VisionAct, kernels: KernelChoice) -> Result<Tensor> {
+    match act {
+        VisionAct::Silu if has_kernel(gate, kernels) => ops::swiglu(gate, up),
+        _ => activation(gate, act)? * up,
+    }
+}
+
 /// Whether the kernels' CustomOps take this tensor: on CPU f32 / f64 / bf16, on CUDA f32 / bf16 (the `cuda`
 /// feature's kernels); elsewhere, and always with `--kernels reference`, the inference forward uses the
 /// plain-candle references.

@@ -8,7 +8,7 @@
 use askgui_kernels::{mrope_cos_sin_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::TextConfig;
+use crate::config::{TextConfig, VisionAct};
 use crate::device::KernelChoice;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
@@ -288,9 +288,9 @@ impl TextDecoder {
         let o = o.transpose(1, 2)?.reshape((b, t, self.cfg.num_attention_heads * self.cfg.head_dim()))?;
         let x = (x + layer.o.forward_with(&o, train)?)?;
         let m = self.rms(&x, &layer.post_norm, train)?;
-        let mlp = layer
-            .down
-            .forward_with(&(layer.gate.forward_with(&m, train)?.silu()? * layer.up.forward_with(&m, train)?)?, train)?;
+        // The decoder's MLP is SiLU-gated (Qwen2's `hidden_act`; the act enum is the vision tower's).
+        let (gate, up) = (layer.gate.forward_with(&m, train)?, layer.up.forward_with(&m, train)?);
+        let mlp = layer.down.forward_with(&crate::layers::gated(&gate, &up, VisionAct::Silu, self.kernels)?, train)?;
         Ok((x + mlp)?)
     }
 

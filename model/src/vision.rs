@@ -374,10 +374,10 @@ impl VisionTower {
         let h = b.norm2.forward(&x, train, self.kernels)?;
         let act = self.cfg.hidden_act;
         let mlp = match &b.mlp {
-            Mlp::Glu { gate, up, down } => down.forward_with(
-                &(activation(&gate.forward_with(&h, train)?, act)? * up.forward_with(&h, train)?)?,
-                train,
-            )?,
+            Mlp::Glu { gate, up, down } => {
+                let (g, u) = (gate.forward_with(&h, train)?, up.forward_with(&h, train)?);
+                down.forward_with(&crate::layers::gated(&g, &u, act, self.kernels)?, train)?
+            }
             Mlp::Plain { fc1, fc2 } => fc2.forward_with(&activation(&fc1.forward_with(&h, train)?, act)?, train)?,
         };
         Ok((x + mlp)?)

@@ -15,6 +15,7 @@
 //! - [`cross_entropy`]: [`cross_entropy_masked`] (mean NLL over supervised positions).
 //! - [`attention`](mod@attention): [`attention()`](fn@attention) (streaming FlashAttention-2 softmax, GQA, masks).
 //! - [`rope`](mod@rope): [`rope()`] (rotate-half RoPE, M-RoPE and vision tables; gradient for `x` only).
+//! - [`swiglu`](mod@swiglu): [`swiglu()`] (`silu(gate) * up`, both gradients in one pass).
 //! - [`paged_attention`](mod@paged_attention): decoding attention over a KV cache kept in blocks (inference only).
 //!
 //! CPU kernels accept f32, f64 (so that finite-difference checks are meaningful) and bf16 (the GPU's
@@ -34,6 +35,7 @@ pub mod narrow;
 pub mod norm;
 pub mod paged_attention;
 pub mod rope;
+pub mod swiglu;
 
 pub use attention::{attention, attention_replay, attention_saving, AttentionSaved};
 pub use cross_entropy::{cross_entropy_masked, cross_entropy_masked_reference};
@@ -42,6 +44,7 @@ pub use narrow::{dequantize_int8, int8_linear, narrow_linear_reference, quantize
 pub use norm::{layer_norm, layer_norm_frozen, rms_norm, rms_norm_frozen};
 pub use paged_attention::{paged_attention, paged_attention_reference};
 pub use rope::rope;
+pub use swiglu::{swiglu, swiglu_reference};
 
 use candle_core::{bail, CpuStorage, Layout, Result, WithDType};
 use half::bf16;
