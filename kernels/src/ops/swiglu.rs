@@ -18,6 +18,7 @@ use super::exp::exp_f32;
 use super::{contiguous_slice, f32_slice, Float};
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
+use std::ops::{Add, Div, Mul, Sub};
 
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
@@ -39,53 +40,52 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.contiguous()?.apply_op2(&up.contiguous()?, Swiglu)
 }
 
-/// The sigmoid in the precision of the kernel.
-trait Sigmoid: Copy + Send + Sync + std::ops::Mul<Output = Self> + std::ops::Add<Output = Self> {
+/// The kernel's float type: f32 or f64.
+trait Act:
+    Copy + Send + Sync + PartialOrd + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self> + Div<Output = Self>
+{
+    const ZERO: Self;
     const ONE: Self;
-    fn sigmoid(self) -> Self;
-    fn minus(self, other: Self) -> Self;
-}
 
-impl Sigmoid for f32 {
-    const ONE: Self = 1.0;
+    /// `e^-|x|`, in (0, 1].
+    fn exp_neg_abs(self) -> Self;
+
+    /// `1 / (1 + e^-x)` for x >= 0, `e^x / (1 + e^x)` below: no overflow for any x.
     #[inline(always)]
     fn sigmoid(self) -> Self {
-        // e^-|x| in (0, 1]: 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below.
-        let e = exp_f32(-self.abs());
-        let r = 1.0 / (1.0 + e);
-        if self >= 0.0 {
+        let e = self.exp_neg_abs();
+        let r = Self::ONE / (Self::ONE + e);
+        if self >= Self::ZERO {
             r
         } else {
             e * r
         }
     }
+}
+
+impl Act for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+
     #[inline(always)]
-    fn minus(self, other: Self) -> Self {
-        self - other
+    fn exp_neg_abs(self) -> Self {
+        exp_f32(-self.abs())
     }
 }
 
-impl Sigmoid for f64 {
+impl Act for f64 {
+    const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
+
     #[inline(always)]
-    fn sigmoid(self) -> Self {
-        let e = (-self.abs()).exp();
-        let r = 1.0 / (1.0 + e);
-        if self >= 0.0 {
-            r
-        } else {
-            e * r
-        }
-    }
-    #[inline(always)]
-    fn minus(self, other: Self) -> Self {
-        self - other
+    fn exp_neg_abs(self) -> Self {
+        (-self.abs()).exp()
     }
 }
 
 /// `y = g s u`.
-fn forward<T: Sigmoid>(g: &[T], u: &[T]) -> Vec<T> {
-    let mut y = vec![T::ONE; g.len()];
+fn forward<T: Act>(g: &[T], u: &[T]) -> Vec<T> {
+    let mut y = vec![T::ZERO; g.len()];
     let tasks = y.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(u.par_chunks(CHUNK));
     tasks.for_each(|((y, g), u)| {
         for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
@@ -96,9 +96,9 @@ fn forward<T: Sigmoid>(g: &[T], u: &[T]) -> Vec<T> {
 }
 
 /// `[dg, du]`, each `g.len()` long, for the upstream gradient `dy`.
-fn backward<T: Sigmoid>(g: &[T], u: &[T], dy: &[T]) -> Vec<T> {
+fn backward<T: Act>(g: &[T], u: &[T], dy: &[T]) -> Vec<T> {
     let n = g.len();
-    let mut out = vec![T::ONE; 2 * n];
+    let mut out = vec![T::ZERO; 2 * n];
     let (dg, du) = out.split_at_mut(n);
     let tasks =
         dg.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).zip(g.par_chunks(CHUNK)).zip(u.par_chunks(CHUNK));
@@ -106,7 +106,7 @@ fn backward<T: Sigmoid>(g: &[T], u: &[T], dy: &[T]) -> Vec<T> {
         for i in 0..g.len() {
             let s = g[i].sigmoid();
             du[i] = dy[i] * g[i] * s;
-            dg[i] = dy[i] * u[i] * s * (T::ONE + g[i] * T::ONE.minus(s));
+            dg[i] = dy[i] * u[i] * s * (T::ONE + g[i] * (T::ONE - s));
         }
     });
     out
