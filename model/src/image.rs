@@ -9,9 +9,7 @@
 
 use std::path::Path;
 
-use askgui_kernels::tiling::{
-    normalize_patchify_reference, resize_bicubic_reference, PatchGeometry, TilingConfig, TilingError,
-};
+use askgui_kernels::tiling::{normalize_patchify, resize_bicubic, PatchGeometry, TilingConfig, TilingError};
 use candle_core::{Device, Tensor};
 
 use crate::error::{ModelError, Result};
@@ -170,9 +168,9 @@ pub fn preprocess(img: &image::RgbImage, cfg: &ImageProcessorConfig) -> Result<P
     let tiling = |source| ModelError::Tiling { width: w, height: h, source };
     let (nh, nw) =
         askgui_kernels::smart_resize(h, w, cfg.geometry.factor(), cfg.min_pixels, cfg.max_pixels).map_err(tiling)?;
-    let resized = resize_bicubic_reference(img.as_raw(), w, h, nw, nh).map_err(tiling)?;
+    let resized = resize_bicubic(img.as_raw(), w, h, nw, nh).map_err(tiling)?;
     let (pixel_values, (gh, gw)) =
-        normalize_patchify_reference(&resized, nw, nh, cfg.geometry, cfg.image_mean, cfg.image_std).map_err(tiling)?;
+        normalize_patchify(&resized, nw, nh, cfg.geometry, cfg.image_mean, cfg.image_std).map_err(tiling)?;
     Ok(ProcessedImage { pixel_values, grid_thw: [1, gh, gw], original: (w, h), resized: (nw, nh) })
 }
 

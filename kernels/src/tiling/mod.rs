@@ -10,17 +10,20 @@
 //! `smart_resize` lives here, not in the model crate, because the coordinate frames of the agent protocol
 //! must use the very same computation (one function, not two copies).
 //!
-//! [`tile_batch_reference`] runs the whole path over a batch, in the layout of the CUDA twin
+//! [`cpu`] has the fast CPU twins of the resize and the patchify (bit for bit these, tested there), which
+//! serve, eval and training run. [`tile_batch_reference`] runs the whole path over a batch, in the layout of the CUDA twin
 //! (`cuda::tile_batch_cuda`, feature `cuda`), which gets its filter tables from [`plan`]: both paths share
 //! `smart_resize`, the tap tables and the validation, so they agree bit for bit and fail with the same
 //! errors.
 
 use thiserror::Error;
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod plan;
 
+pub use cpu::{normalize_patchify, resize_bicubic};
 pub use plan::{tile_batch_reference, BatchPlan, ImageRef, TilingConfig};
 
 /// CLIP normalisation used by every Qwen2-VL / Qwen2.5-VL checkpoint.
