@@ -48,9 +48,14 @@ pub fn exp_f32(x: f32) -> f32 {
 
 /// `xs[i] = e^((xs[i] - hi) - lo)`: [`exp_f32`] over a slice, with the shift given as an f32 pair
 /// (`hi + lo` carries an f64 shift such as a logsumexp to about 2^-48 of itself). On x86-64 CPUs with
-/// AVX2 and FMA the same loop is compiled for them (8 lanes instead of SSE2's 4; no contraction into fused
-/// multiply-adds, so the results are bitwise those of the plain loop).
+/// AVX-512F, or AVX2 and FMA, the same loop is compiled for them (16 or 8 lanes instead of SSE2's 4; no
+/// contraction into fused multiply-adds, so the results are bitwise those of the plain loop).
 pub fn exp_shifted_f32(xs: &mut [f32], hi: f32, lo: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F, checked just above.
+        return unsafe { exp_shifted_avx512(xs, hi, lo) };
+    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX2 and FMA, checked just above.
@@ -67,6 +72,12 @@ fn exp_shifted_plain(xs: &mut [f32], hi: f32, lo: f32) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_shifted_avx2(xs: &mut [f32], hi: f32, lo: f32) {
+    exp_shifted_plain(xs, hi, lo)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_shifted_avx512(xs: &mut [f32], hi: f32, lo: f32) {
     exp_shifted_plain(xs, hi, lo)
 }
 
@@ -91,6 +102,34 @@ mod tests {
             assert_eq!(g.to_bits(), exp_f32((x - hi) - lo).to_bits());
             let want = (*x as f64 - shift).exp();
             assert!((*g as f64 - want).abs() <= 4.0 * MAX_REL_ERR * want + 1e-37, "{x}: {g} vs {want}");
+        }
+    }
+
+    #[test]
+    fn every_compiled_variant_is_bitwise_the_plain_loop() {
+        // Odd length (a vector tail), the clamp at the low end, NaN and every binade of [-87, 0].
+        let mut xs: Vec<f32> = (0..4099).map(|i| -(i as f32) * 0.0213 + 0.25).collect();
+        xs.extend([-87.2, -87.4, -1e30, f32::NEG_INFINITY, f32::NAN, 0.25]);
+        let mut want = xs.clone();
+        exp_shifted_plain(&mut want, 0.25, 1e-9);
+        let same = |got: &[f32]| got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
+        let mut got = xs.clone();
+        exp_shifted_f32(&mut got, 0.25, 1e-9);
+        assert!(same(&got), "the dispatched loop");
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                let mut got = xs.clone();
+                // SAFETY: checked just above.
+                unsafe { exp_shifted_avx512(&mut got, 0.25, 1e-9) };
+                assert!(same(&got), "AVX-512F");
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                let mut got = xs.clone();
+                // SAFETY: checked just above.
+                unsafe { exp_shifted_avx2(&mut got, 0.25, 1e-9) };
+                assert!(same(&got), "AVX2");
+            }
         }
     }
 
