@@ -57,7 +57,7 @@ impl<'a> Stage<'a> {
         let (whole, ranges_whole) = (f.clone(), ranges.clone());
         Self {
             has_params,
-            f: Box::new(move |x: &Tensor| Ok((by_rows((&ranges_whole, &whole), x, None)?, None))),
+            f: Box::new(move |x: &Tensor| Ok((by_rows((&ranges_whole, &whole), x, Rows::Graph)?, None))),
             rows: Some((ranges, f)),
         }
     }
@@ -66,7 +66,10 @@ impl<'a> Stage<'a> {
     /// `record = (memo, i)` (this is stage `i`, to be recomputed) its attention forwards are kept.
     fn detached(&self, x: &Tensor, record: Option<(&AttentionMemo, usize)>) -> Result<(Tensor, Option<Tensor>)> {
         match &self.rows {
-            Some((ranges, f)) => Ok((by_rows((ranges, f), x, Some(record))?, None)),
+            Some((ranges, f)) => {
+                let keep = record.map_or(Rows::Detached, |(memo, i)| Rows::Recording(memo, i));
+                Ok((by_rows((ranges, f), x, keep)?, None))
+            }
             None => {
                 if let Some((memo, i)) = record {
                     memo.enter(Phase::Record, i, 0);
@@ -90,21 +93,26 @@ impl<'a> Stage<'a> {
     }
 }
 
-/// A row-wise stage's output: `f` over each range of `x`'s rows, concatenated. `detached` (`Some`) drops
-/// each range's graph before the next range runs; `Some(Some((memo, i)))` also records each range's
-/// attention forwards as stage `i`'s.
-fn by_rows(
-    (ranges, f): (&[Range<usize>], &RowsFn),
-    x: &Tensor,
-    detached: Option<Option<(&AttentionMemo, usize)>>,
-) -> Result<Tensor> {
+/// What [`by_rows`] keeps of each range's run.
+#[derive(Clone, Copy)]
+enum Rows<'m> {
+    /// Every range's graph: one graph over the whole stage.
+    Graph,
+    /// No graph: each range's is dropped before the next range runs.
+    Detached,
+    /// No graph, and each range's attention forwards recorded as those of stage `.1`.
+    Recording(&'m AttentionMemo, usize),
+}
+
+/// A row-wise stage's output: `f` over each range of `x`'s rows, concatenated.
+fn by_rows((ranges, f): (&[Range<usize>], &RowsFn), x: &Tensor, keep: Rows) -> Result<Tensor> {
     let mut parts = Vec::with_capacity(ranges.len());
     for r in ranges {
-        if let Some(Some((memo, i))) = detached {
+        if let Rows::Recording(memo, i) = keep {
             memo.enter(Phase::Record, i, r.start);
         }
         let y = f(r, &x.narrow(0, r.start, r.len())?)?;
-        parts.push(if detached.is_some() { y.detach() } else { y });
+        parts.push(if matches!(keep, Rows::Graph) { y } else { y.detach() });
     }
     Ok(Tensor::cat(&parts, 0)?)
 }
