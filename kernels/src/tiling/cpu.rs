@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 
-use super::{scaled_mean_std, taps, PatchGeometry, TilingError};
+use super::{check_patchify, check_resize, scaled_mean_std, taps, PatchGeometry, TilingError};
 
 /// The taps of one pass laid out flat: output `i` reads inputs `start[i]..start[i] + width` with weights
 /// `weights[i * width..][..width]` (zero past its own count).
@@ -134,13 +134,7 @@ pub fn resize_bicubic(
     new_width: usize,
     new_height: usize,
 ) -> Result<Vec<u8>, TilingError> {
-    let want = width * height * 3;
-    if rgb.len() != want {
-        return Err(TilingError::Buffer { got: rgb.len(), want, width, height });
-    }
-    if width == 0 || height == 0 || new_width == 0 || new_height == 0 {
-        return Err(TilingError::Empty { width: new_width.min(width), height: new_height.min(height) });
-    }
+    check_resize(rgb, width, height, new_width, new_height)?;
     let img = match new_width != width {
         true => horizontal(rgb, height, width, new_width),
         false => rgb.to_vec(),
@@ -160,14 +154,8 @@ pub fn normalize_patchify(
     mean: [f32; 3],
     std: [f32; 3],
 ) -> Result<(Vec<f32>, (usize, usize)), TilingError> {
-    let want = width * height * 3;
-    if rgb.len() != want {
-        return Err(TilingError::Buffer { got: rgb.len(), want, width, height });
-    }
+    check_patchify(rgb, width, height, geo)?;
     let (p, m, tp) = (geo.patch_size, geo.merge_size, geo.temporal_patch_size);
-    if p == 0 || m == 0 || tp == 0 {
-        return Err(TilingError::Geometry(geo));
-    }
     let (gh, gw) = (height / p, width / p);
     let (mean, std) = scaled_mean_std(mean, std);
     let lut: Vec<[f32; 256]> = (0..3).map(|c| std::array::from_fn(|v| (v as f32 - mean[c]) / std[c])).collect();
@@ -251,5 +239,10 @@ mod tests {
         assert_eq!(resize_bicubic(&[], 0, 0, 4, 4), resize_bicubic_reference(&[], 0, 0, 4, 4));
         let bad = normalize_patchify(&[0; 5], 2, 1, geo, CLIP_MEAN, CLIP_STD);
         assert_eq!(bad, normalize_patchify_reference(&[0; 5], 2, 1, geo, CLIP_MEAN, CLIP_STD));
+        assert!(matches!(bad, Err(TilingError::Buffer { got: 5, want: 6, .. })));
+        let zero = PatchGeometry { merge_size: 0, ..geo };
+        let bad = normalize_patchify(&[0; 12], 2, 2, zero, CLIP_MEAN, CLIP_STD);
+        assert_eq!(bad, normalize_patchify_reference(&[0; 12], 2, 2, zero, CLIP_MEAN, CLIP_STD));
+        assert_eq!(bad, Err(TilingError::Geometry(zero)));
     }
 }

@@ -189,6 +189,24 @@ fn pass(src: &[u8], outer: usize, n_in: usize, inner: usize, n_out: usize) -> Ve
     dst
 }
 
+/// The input checks of both resizes: an RGB buffer of `width x height` pixels, no side 0.
+fn check_resize(
+    rgb: &[u8],
+    width: usize,
+    height: usize,
+    new_width: usize,
+    new_height: usize,
+) -> Result<(), TilingError> {
+    let want = width * height * 3;
+    if rgb.len() != want {
+        return Err(TilingError::Buffer { got: rgb.len(), want, width, height });
+    }
+    if width == 0 || height == 0 || new_width == 0 || new_height == 0 {
+        return Err(TilingError::Empty { width: new_width.min(width), height: new_height.min(height) });
+    }
+    Ok(())
+}
+
 /// Antialiased bicubic resize of an interleaved RGB `width x height` image (horizontal pass first).
 pub fn resize_bicubic_reference(
     rgb: &[u8],
@@ -197,13 +215,7 @@ pub fn resize_bicubic_reference(
     new_width: usize,
     new_height: usize,
 ) -> Result<Vec<u8>, TilingError> {
-    let want = width * height * 3;
-    if rgb.len() != want {
-        return Err(TilingError::Buffer { got: rgb.len(), want, width, height });
-    }
-    if width == 0 || height == 0 || new_width == 0 || new_height == 0 {
-        return Err(TilingError::Empty { width: new_width.min(width), height: new_height.min(height) });
-    }
+    check_resize(rgb, width, height, new_width, new_height)?;
     let mut img = rgb.to_vec();
     if new_width != width {
         // rows x width x 3
@@ -248,6 +260,18 @@ pub(crate) fn scaled_mean_std(mean: [f32; 3], std: [f32; 3]) -> ([f32; 3], [f32;
     (mean.map(|x| x * scale), std.map(|x| x * scale))
 }
 
+/// The input checks of both patchifies: an RGB buffer of `width x height` pixels, no patch size 0.
+fn check_patchify(rgb: &[u8], width: usize, height: usize, geo: PatchGeometry) -> Result<(), TilingError> {
+    let want = width * height * 3;
+    if rgb.len() != want {
+        return Err(TilingError::Buffer { got: rgb.len(), want, width, height });
+    }
+    if geo.patch_size == 0 || geo.merge_size == 0 || geo.temporal_patch_size == 0 {
+        return Err(TilingError::Geometry(geo));
+    }
+    Ok(())
+}
+
 /// Normalises a resized RGB image and lays it out as `pixel_values (grid_h * grid_w, patch_dim)`.
 ///
 /// Rows run over (merge-block row, merge-block column, row in block, column in block), so that each run
@@ -261,10 +285,7 @@ pub fn normalize_patchify_reference(
     mean: [f32; 3],
     std: [f32; 3],
 ) -> Result<(Vec<f32>, (usize, usize)), TilingError> {
-    let want = width * height * 3;
-    if rgb.len() != want {
-        return Err(TilingError::Buffer { got: rgb.len(), want, width, height });
-    }
+    check_patchify(rgb, width, height, geo)?;
     let (p, m, tp) = (geo.patch_size, geo.merge_size, geo.temporal_patch_size);
     let (gh, gw) = (height / p, width / p);
     let (mean, std) = scaled_mean_std(mean, std);
