@@ -1,10 +1,11 @@
 //! The CPU fast path of the tiling: the bicubic resize and the normalise + patchify that serve and eval run
 //! on every screenshot, bit for bit those of the references in the parent module (tests below).
 //!
-//! Why: the references took 9 ms of a 53 ms next-action step on a 640x480 screenshot (2026-11-28). Three
+//! Why: the references took 9 ms of a 53 ms next-action step on a 640x480 screenshot (2026-11-28). Four
 //! changes, none of which changes a bit:
 //! - the horizontal pass keeps the three channels of a pixel in three registers instead of walking a
 //!   three-element slice per tap (the sums are integers, so their order does not matter);
+//! - both passes' row kernels are compiled for AVX2 where the CPU has it (SSE2 has no 32-bit multiply);
 //! - normalisation reads a 256-entry table per channel, filled with the very f32 expression of the
 //!   reference (`(v - mean) / std`), and patchify copies runs of `patch` values out of it;
 //! - both resize passes and the patchify split their output rows over the rayon pool.
