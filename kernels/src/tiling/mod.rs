@@ -11,10 +11,10 @@
 //! must use the very same computation (one function, not two copies).
 //!
 //! [`cpu`] has the fast CPU twins of the resize and the patchify (bit for bit these, tested there), which
-//! serve, eval and training run. [`tile_batch_reference`] runs the whole path over a batch, in the layout of the CUDA twin
-//! (`cuda::tile_batch_cuda`, feature `cuda`), which gets its filter tables from [`plan`]: both paths share
-//! `smart_resize`, the tap tables and the validation, so they agree bit for bit and fail with the same
-//! errors.
+//! serve, eval and training run. [`tile_batch_reference`] runs the whole path over a batch, in the layout
+//! of the CUDA twin (`cuda::tile_batch_cuda`, feature `cuda`), which gets its filter tables from [`plan`]:
+//! both paths share `smart_resize`, the tap tables and the validation, so they agree bit for bit and fail
+//! with the same errors.
 
 use thiserror::Error;
 
