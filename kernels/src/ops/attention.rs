@@ -48,6 +48,7 @@ use std::sync::{Arc, Mutex};
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod fused;
 pub use crate::plan::attention::HEAD_DIMS as CUDA_HEAD_DIMS;
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
@@ -428,7 +429,10 @@ impl CustomOp3 for Attention {
             Float::F32(out) => {
                 let q = f32_slice(s1, l1, name, "q")?;
                 let (k, v) = (f32_slice(s2, l2, name, "k")?, f32_slice(s3, l3, name, "v")?);
-                let (o, lse) = forward(&q, &k, &v, &dims, &self.spec);
+                let (o, lse) = match fused::applies(&dims, &self.spec) {
+                    true => fused::forward(&q, &k, &v, &dims, &self.spec),
+                    false => forward(&q, &k, &v, &dims, &self.spec),
+                };
                 (out.store(o), lse)
             }
         };

@@ -26,17 +26,31 @@ const LOWEST: f32 = -87.3;
 /// `e^x` for `x <= 0` (see the module docs); branch-free, so loops over it vectorise.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
+    exp_f32_in::<false>(x)
+}
+
+/// [`exp_f32`] with its products and sums fused (`mul_add`: 12 vector operations instead of 21), for loops
+/// compiled where the CPU has FMA (elsewhere each `mul_add` is a library call). Within the same bound of
+/// f64 `exp`, but not bitwise [`exp_f32`].
+#[inline(always)]
+pub fn exp_f32_fma(x: f32) -> f32 {
+    exp_f32_in::<true>(x)
+}
+
+#[inline(always)]
+fn exp_f32_in<const FMA: bool>(x: f32) -> f32 {
+    let madd = |a: f32, b: f32, c: f32| if FMA { a.mul_add(b, c) } else { a * b + c };
     // Not `max`: a NaN score must stay NaN (it must reach the trainer's non-finite check).
     let xc = if x < LOWEST { LOWEST } else { x };
-    let t = xc * LOG2E + ROUND;
+    let t = madd(xc, LOG2E, ROUND);
     let k = t - ROUND;
     // The integer k, from t's mantissa bits: t = ROUND + k exactly.
     let ki = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
-    let r = (xc - k * LN2_HI) - k * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let r = madd(-k, LN2_LO, madd(-k, LN2_HI, xc));
+    let mut p = 1.0 / 5040.0;
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = madd(p, r, c);
+    }
     let scale = f32::from_bits((ki.wrapping_add(127) as u32) << 23);
     let e = p * scale;
     if x < LOWEST {
@@ -133,34 +147,38 @@ mod tests {
         }
     }
 
-    fn rel(x: f32) -> f64 {
+    fn rel(exp: fn(f32) -> f32, x: f32) -> f64 {
         let want = (x as f64).exp();
-        (exp_f32(x) as f64 - want).abs() / want
+        (exp(x) as f64 - want).abs() / want
     }
 
     #[test]
     fn exp_f32_is_within_its_bound_of_f64_exp() {
-        // A dense sweep of [-87, 0] (step 2^-10 near 0 and 1e-3 below), plus the ends.
-        let mut worst = (0f64, 0f32);
-        let near = (0..=4096).map(|i| -(i as f32) / 1024.0);
-        let far = (0..=87_000).map(|i| -(i as f32) * 1e-3);
-        for x in near.chain(far).chain([-87.0, -1e-30, 0.0]) {
-            let e = rel(x);
-            if e > worst.0 {
-                worst = (e, x);
+        for (name, exp) in [("exp_f32", exp_f32 as fn(f32) -> f32), ("exp_f32_fma", exp_f32_fma)] {
+            // A dense sweep of [-87, 0] (step 2^-10 near 0 and 1e-3 below), plus the ends.
+            let mut worst = (0f64, 0f32);
+            let near = (0..=4096).map(|i| -(i as f32) / 1024.0);
+            let far = (0..=87_000).map(|i| -(i as f32) * 1e-3);
+            for x in near.chain(far).chain([-87.0, -1e-30, 0.0]) {
+                let e = rel(exp, x);
+                if e > worst.0 {
+                    worst = (e, x);
+                }
             }
+            eprintln!("{name}: largest relative error {:.3e} at x = {}", worst.0, worst.1);
+            assert!(worst.0 <= MAX_REL_ERR, "{name}: relative error {:.3e} at x = {}", worst.0, worst.1);
+            // As f32::exp does within its ulp.
+            assert_eq!(exp(0.0), 1.0, "{name}");
         }
-        eprintln!("largest relative error {:.3e} at x = {}", worst.0, worst.1);
-        assert!(worst.0 <= MAX_REL_ERR, "relative error {:.3e} at x = {}", worst.0, worst.1);
-        // As f32::exp does within its ulp.
-        assert_eq!(exp_f32(0.0), 1.0);
     }
 
     #[test]
     fn exp_f32_of_very_negative_scores_is_zero_and_never_nan() {
-        for x in [-87.4f32, -100.0, -1e30, f32::MIN, f32::NEG_INFINITY] {
-            assert_eq!(exp_f32(x), 0.0, "x = {x}");
+        for exp in [exp_f32 as fn(f32) -> f32, exp_f32_fma] {
+            for x in [-87.4f32, -100.0, -1e30, f32::MIN, f32::NEG_INFINITY] {
+                assert_eq!(exp(x), 0.0, "x = {x}");
+            }
+            assert!(exp(f32::NAN).is_nan(), "NaN stays NaN");
         }
-        assert!(exp_f32(f32::NAN).is_nan(), "NaN stays NaN");
     }
 }
