@@ -17,6 +17,10 @@
 //! `dS = scale P (dP - D)`, `dQ = dS K`, `dK += dS^T Q`; the `Hq / Hkv` query heads that share a kv head
 //! accumulate into its `dK`, `dV`. Inputs that track no gradient get `None`.
 //!
+//! For f32 heads up to 64 wide without key padding the forward runs `ops/attention/fused.rs` instead (a few
+//! query rows at a time against packed key panels, scores and outputs in registers; 1.5x faster on head
+//! dim 16), whose twin is the GEMM forward here.
+//!
 //! Choices:
 //! - the logsumexp is kept inside the op struct (a `Mutex<Option<Vec<f64>>>` filled by the CPU forward,
 //!   `Tq` values per (batch, head): small); if it is absent (a forward run elsewhere) the backward kernel
