@@ -83,21 +83,6 @@ impl Packed {
     /// cache and the returned map (which outlives a cache that clears itself when full). A failing batch
     /// is left out of the map; returns how many images were encoded.
     fn encode_missing(&mut self, items: &[&Item]) -> (HashMap<u64, Tensor>, usize) {
-        let encoded = self.encode_detached(items);
-        let n = encoded.features.len();
-        (self.adopt(encoded), n)
-    }
-
-    /// Whether embedding `item` needs the vision tower: one of its screenshots is not in the cache.
-    pub fn needs_vision(&self, item: &Item) -> bool {
-        let adapter = self.model.active_adapter().map(String::from);
-        item.images.iter().any(|img| self.features.get(&(img.0, adapter.clone())).is_none())
-    }
-
-    /// The vision forwards of [`Self::embed_all`] without touching the cache (`&self`, so another
-    /// thread can run them beside [`Self::forward`]): the distinct images of `items` that the cache
-    /// lacks, batched by patch count. Give the result to [`Self::adopt`]; a failing batch is left out.
-    pub fn encode_detached(&self, items: &[&Item]) -> VisionFeatures {
         let adapter = self.model.active_adapter().map(String::from);
         let mut missing: Vec<&PreparedImage> = Vec::new();
         for img in items.iter().flat_map(|i| &i.images) {
@@ -106,25 +91,22 @@ impl Packed {
                 missing.push(img);
             }
         }
-        let mut features = Vec::new();
+        let mut fresh = HashMap::new();
+        let mut encoded = 0;
         for batch in patch_batches(&missing, MAX_VISION_PATCHES) {
             match self.encode(batch) {
-                Ok(f) => features.extend(batch.iter().map(|img| img.0).zip(f)),
+                Ok(features) => {
+                    encoded += batch.len();
+                    for ((hash, _), f) in batch.iter().zip(features) {
+                        let bytes = f.elem_count() * f.dtype().size_in_bytes();
+                        self.features.insert((*hash, adapter.clone()), f.clone(), bytes);
+                        fresh.insert(*hash, f);
+                    }
+                }
                 Err(e) => tracing::debug!(error = %e, images = batch.len(), "batched vision failed; one at a time"),
             }
         }
-        VisionFeatures { adapter, features }
-    }
-
-    /// Keeps [`Self::encode_detached`]'s features in the cache; returns them by content hash.
-    pub fn adopt(&mut self, encoded: VisionFeatures) -> HashMap<u64, Tensor> {
-        let mut fresh = HashMap::new();
-        for (hash, f) in encoded.features {
-            let bytes = f.elem_count() * f.dtype().size_in_bytes();
-            self.features.insert((hash, encoded.adapter.clone()), f.clone(), bytes);
-            fresh.insert(hash, f);
-        }
-        fresh
+        (fresh, encoded)
     }
 
     /// One vision forward over `images`; their features `(tokens_i, H)`, in order.
@@ -150,7 +132,7 @@ impl Packed {
     /// The packed forward: every item's new rows (`embeds[i]`, from [`Self::embed`]) back to back, each
     /// over its own cache (appended in place); the logits of each item's last `logits_rows` rows, in item
     /// order.
-    pub fn forward(&self, embeds: &[Tensor], items: &mut [&mut Item]) -> Result<Vec<Vec<Vec<f32>>>> {
+    pub fn forward(&mut self, embeds: &[Tensor], items: &mut [&mut Item]) -> Result<Vec<Vec<Vec<f32>>>> {
         let embeds = Tensor::cat(embeds, 1)?;
         let lens: Vec<usize> = items.iter().map(|i| i.ids.len()).collect();
         let positions: Vec<[u32; 3]> = items.iter().flat_map(|i| i.positions.iter().copied()).collect();
@@ -223,23 +205,6 @@ fn patch_batches<'a, 'b>(images: &'a [&'b PreparedImage], max_patches: usize) ->
         out.push(&images[start..]);
     }
     out
-}
-
-/// Vision-tower outputs computed by [`Packed::encode_detached`] under one adapter, for [`Packed::adopt`].
-pub struct VisionFeatures {
-    adapter: Option<String>,
-    features: Vec<(u64, Tensor)>,
-}
-
-impl VisionFeatures {
-    /// How many images were encoded.
-    pub fn len(&self) -> usize {
-        self.features.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.features.is_empty()
-    }
 }
 
 /// What [`Packed::embed_all`] gives: each item's embeddings or error, in order, and how many images

@@ -5,11 +5,6 @@
 //! at most [`MAX_PACK_TOKENS`] new tokens, run by [`Packed`] (the forward every askgui tool runs). A
 //! ticket whose input cannot be embedded fails alone; a failing or panicking forward fails its pack.
 //!
-//! Vision beside text: a new one-item ticket whose screenshot the feature cache lacks, in a pack that has
-//! other work, has its vision forward run on a second thread while this thread runs the pack's text
-//! forward, and joins the held prefills for the next round ([`Runner::split_late`]). One thread running
-//! the vision forward and then the text forward kept about 1.5 of 2 cores busy at concurrency 16.
-//!
 //! Chunked prefill: a ticket of one item with more new tokens than the prefill chunk (`--prefill-chunk`,
 //! default [`PREFILL_CHUNK`]) is embedded once (its screenshots included) and then runs that many rows per
 //! forward, held here between forwards, and is answered after its last chunk. So the decode steps packed
@@ -20,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use askgui_model::KvPool;
-use askgui_runtime::{Item, ItemOut, Packed, RuntimeError, VisionFeatures};
+use askgui_runtime::{Item, ItemOut, Packed, RuntimeError};
 use candle_core::Tensor;
 
 use crate::backend::{Intake, Job};
@@ -147,7 +142,6 @@ impl Runner {
     /// (new chunked tickets join `held` first); each ticket gets its answers or the error. A ticket whose
     /// input cannot be embedded fails alone; a failing (or panicking) forward fails the whole pack.
     fn pack(&mut self, tickets: Vec<Ticket>, mut held: Vec<Held>, intake: &mut dyn Intake) {
-        let (late, tickets) = self.split_late(tickets, &held);
         // Every ticket's items embedded together: the screenshots the cache lacks in one vision forward.
         let all: Vec<&Item> = tickets.iter().flat_map(|t| &t.items).collect();
         let embedded = self.packed.embed_all(&all);
@@ -189,40 +183,17 @@ impl Runner {
             });
         }
         if let Some(e) = bad {
-            self.embed_late(late, None, intake);
             return self.fail(ready, held, e);
         }
         if ready.is_empty() && chunks.is_empty() {
-            return self.embed_late(late, None, intake);
+            return;
         }
         intake.record_batch(ready.iter().map(|t| t.items.len()).sum::<usize>() + chunks.len());
         let mut items: Vec<&mut Item> = ready.iter_mut().flat_map(|t| t.items.iter_mut()).collect();
         items.extend(chunks.iter_mut());
-        // The late tickets' screenshots go through the vision tower on a second thread meanwhile.
-        let packed = &self.packed;
-        let late_items: Vec<&Item> = late.iter().map(|t| &t.items[0]).collect();
-        let (out, encoded) = std::thread::scope(|s| {
-            let vision = (!late.is_empty()).then(|| s.spawn(|| packed.encode_detached(&late_items)));
-            let out = catch_unwind(AssertUnwindSafe(|| packed.forward(&embeds, &mut items))).unwrap_or_else(|p| {
-                Err(RuntimeError::Internal(format!(
-                    "the forward panicked: {}",
-                    crate::engine::panic_message(p.as_ref())
-                )))
-            });
-            (out, vision.map(|h| h.join()))
+        let out = catch_unwind(AssertUnwindSafe(|| self.packed.forward(&embeds, &mut items))).unwrap_or_else(|p| {
+            Err(RuntimeError::Internal(format!("the forward panicked: {}", crate::engine::panic_message(p.as_ref()))))
         });
-        drop(late_items);
-        match encoded {
-            Some(Ok(encoded)) => self.embed_late(late, Some(encoded), intake),
-            Some(Err(p)) => {
-                let e = RuntimeError::Internal(format!(
-                    "the vision forward panicked: {}",
-                    crate::engine::panic_message(p.as_ref())
-                ));
-                late.into_iter().for_each(|t| drop(t.reply.send(Err(e.clone()))));
-            }
-            None => {}
-        }
         let mut logits = match out {
             Ok(logits) => logits,
             Err(e) => return self.fail(ready, held, e),
@@ -242,47 +213,6 @@ impl Runner {
             let mine = logits.split_off(logits.len() - t.items.len());
             let outs = t.items.into_iter().zip(mine).map(|(i, logits)| ItemOut { cache: i.cache, logits });
             let _ = t.reply.send(Ok(outs.collect()));
-        }
-    }
-
-    /// The tickets of a pack whose screenshots are encoded beside its text forward instead of before it:
-    /// `(late, the rest)`. Only when the pack has other work (the held prefills' chunks, tickets that need
-    /// no vision), and only tickets of one item that need the vision tower. They join the held prefills
-    /// ([`Self::embed_late`]) and run from the next round on: the vision forward of new screenshots
-    /// overlaps the text forward of the jobs already running, instead of running before it on the same
-    /// thread while the other core waits.
-    fn split_late(&self, tickets: Vec<Ticket>, held: &[Held]) -> (Vec<Ticket>, Vec<Ticket>) {
-        let (late, rest): (Vec<Ticket>, Vec<Ticket>) =
-            tickets.into_iter().partition(|t| t.items.len() == 1 && self.packed.needs_vision(&t.items[0]));
-        if late.is_empty() || (held.is_empty() && rest.is_empty()) {
-            return (Vec::new(), late.into_iter().chain(rest).collect());
-        }
-        (late, rest)
-    }
-
-    /// The late tickets after their vision forward (`encoded`, when it ran): embedded (the screenshots now
-    /// from the cache) and held, to run their prompts from the next round on; a ticket that cannot be
-    /// embedded gets its error.
-    fn embed_late(&mut self, late: Vec<Ticket>, encoded: Option<VisionFeatures>, intake: &mut dyn Intake) {
-        if late.is_empty() {
-            return;
-        }
-        if let Some(encoded) = encoded {
-            if !encoded.is_empty() {
-                intake.record_vision_batch(encoded.len());
-            }
-            self.packed.adopt(encoded);
-        }
-        let items: Vec<&Item> = late.iter().map(|t| &t.items[0]).collect();
-        let embedded = self.packed.embed_all(&items);
-        if embedded.images_encoded > 0 {
-            intake.record_vision_batch(embedded.images_encoded);
-        }
-        for (ticket, e) in late.into_iter().zip(embedded.embeds) {
-            match e {
-                Ok(embeds) => self.held.push(Held { ticket, embeds, done: 0 }),
-                Err(e) => drop(ticket.reply.send(Err(e))),
-            }
         }
     }
 
