@@ -300,6 +300,44 @@ fn screenshots_of_jobs_started_together_are_encoded_together() -> anyhow::Result
     Ok(())
 }
 
+/// Jobs handed in while others run, each with a screenshot of its own: their prompts (and vision
+/// forwards) join forwards that hold other jobs' decode steps, and they answer what each answers alone;
+/// each screenshot is encoded once. Tolerance as above.
+#[test]
+fn screenshots_arriving_mid_run_answer_as_alone() -> anyhow::Result<()> {
+    let sizes = [(200, 150), (160, 120), (240, 180), (120, 200), (280, 140), (200, 200)];
+    let jobs = || {
+        sizes
+            .iter()
+            .map(|&(w, h)| {
+                let opts = StepOptions { max_tokens: Some(24), ..Default::default() };
+                let job = StepJob { screenshot: Some(screenshot(w, h)), ..step_job("Call mum", opts) };
+                Job::new(JobKind::Step(job), None)
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut alone = Vec::new();
+    for (job, rx) in jobs() {
+        let mut b = backend(false)?.with_prefix_cache(0);
+        Backend::run(&mut b, vec![job]);
+        alone.push(step_of(rx.blocking_recv()?));
+    }
+    let mut b = backend(false)?.with_prefix_cache(0);
+    let (mut first, rxs): (Vec<Job>, Vec<_>) = jobs().into_iter().unzip();
+    let later = first.split_off(2);
+    let mut intake = Recorder { later, batches: vec![], vision: vec![] };
+    b.run_continuous(first, &mut intake);
+    for (i, rx) in rxs.into_iter().enumerate() {
+        let r = step_of(rx.blocking_recv()?);
+        let (p, q) = (r.ask_probability.unwrap(), alone[i].ask_probability.unwrap());
+        assert!((p - q).abs() <= 1e-5, "job {i}: ask_probability {p} vs {q} alone");
+        assert_eq!(r.raw, alone[i].raw, "job {i}: the same answer");
+    }
+    eprintln!("screenshots per vision forward: {:?}", intake.vision);
+    assert_eq!(intake.vision.iter().sum::<usize>(), 6, "each screenshot encoded once: {:?}", intake.vision);
+    Ok(())
+}
+
 /// Chunked prefill: with chunks of 100 tokens, three jobs' prompts (about 900 tokens each) run over
 /// several forwards and answer what they answer in one; tolerance as above (chunking changes GEMM row
 /// counts; each chunk's queries attend to the cache of the chunks before them).
