@@ -8,15 +8,16 @@
 //! PyTorch's `scaled_dot_product_attention` on the same shapes.
 //!
 //! How: `K` is packed once per head in panels of [`KEYS`] keys, `(D, KEYS)` each, so that one dimension
-//! of a panel is one 16-lane vector; `V` once in rows padded to `DP` (16, 32 or 64). A tile of `R` (8, or 4 at `DP = 64`)
-//! query rows (pre-scaled) takes each panel in turn: `R x KEYS` scores accumulate in registers over
-//! `D` fused multiply-adds and are written once into a `R`-row buffer that stays in L1. The softmax
-//! runs on each row's visible span there (the max in f32, which is exact; `exp` with fused
-//! multiply-adds, [`exp_f32_fma`]; the sum in f32 lanes over blocks of 256, then in f64), then
-//! `O += p_j v_j` accumulates `R x DP` outputs in registers over the tile's keys, and each row of `O`
-//! is divided by its sum at the end (normalising `O`, not `P`). The whole head is one loop written
-//! plainly with `mul_add` and compiled three times (AVX-512F + FMA, AVX2 + FMA, the baseline); every
-//! operation is exactly rounded, so the three are bitwise equal, which the tests check.
+//! of a panel is one 16-lane vector; `V` once in rows padded to `DP` (16, 32 or 64). A tile of `R` query
+//! rows (pre-scaled) takes each panel in turn: `R x KEYS` scores accumulate in registers over `D` fused
+//! multiply-adds and are written once into an `R`-row buffer that stays in L1. The softmax runs on each
+//! row's visible span there (the max in f32, which is exact; `exp` with fused multiply-adds,
+//! [`exp_f32_fma`]; the sum in f32 lanes over blocks of 256, then in f64), then `O += p_j v_j`
+//! accumulates `R x DP` outputs in registers over the tile's keys, and each row of `O` is divided by its
+//! sum at the end (normalising `O`, not `P`). The tile's two products are written twice: plain `mul_add`
+//! loops over 4 rows (compiled for the baseline and for AVX2 + FMA), and AVX-512 intrinsics over 8 rows
+//! (4 at `DP = 64`), where the plain loops did not vectorise well. Every operation is exactly rounded
+//! and each row's sums run in the same order, so all builds are bitwise equal, which the tests check.
 //!
 //! Its twin is the GEMM forward (`forward` in `ops/attention.rs`), which still serves f64, key padding and
 //! larger heads; the tests below compare the two on every mask, odd sizes and GQA, and
