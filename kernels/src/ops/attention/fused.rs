@@ -189,49 +189,80 @@ fn head<const DP: usize, const R: usize, const AVX512: bool>(h: &Head, out: &mut
             qr.iter_mut().zip(src).for_each(|(a, &x)| *a = x * h.spec.scale as f32);
         }
         let panels = &h.panels[p0 * d * KEYS..p1 * d * KEYS];
-        #[cfg(target_arch = "x86_64")]
-        if AVX512 {
-            // SAFETY: `AVX512` is set only by `head_avx512`, which runs on CPUs with AVX-512F and FMA.
-            unsafe { avx512::tile_scores(&qs, panels, d, &mut scores, width) }
-        } else {
-            tile_scores(&qs, panels, d, &mut scores, width)
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        tile_scores(&qs, panels, d, &mut scores, width);
-        let mut inv = [0f32; R];
-        for (r, &(rlo, rhi)) in rows.iter().enumerate() {
-            let row = &mut scores[r * width..][..width];
-            let (a, b) = (lo - p0 * KEYS, hi - p0 * KEYS);
-            if rhi <= rlo {
-                row[a..b].fill(0.0);
-                continue;
-            }
-            let (ra, rb) = (rlo - p0 * KEYS, rhi - p0 * KEYS);
-            row[a..ra].fill(0.0);
-            row[rb..b].fill(0.0);
-            let span = &mut row[ra..rb];
-            let m = max(span);
-            let l = exp_sum(span, m);
-            if r < n {
-                lse[i0 + r] = m as f64 + l.ln();
-            }
-            inv[r] = (1.0 / l) as f32;
-        }
-        let (first, v) = (lo - p0 * KEYS, &h.v[lo * DP..hi * DP]);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as for the scores above.
-        let o: [[f32; DP]; R] = if AVX512 {
-            unsafe { avx512::tile_values(&scores, width, first, v) }
-        } else {
-            tile_values(&scores, width, first, v)
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let o = tile_values::<DP, R>(&scores, width, first, v);
+        scores_of::<DP, R, AVX512>(&qs, panels, d, &mut scores, width);
+        let inv = softmax_rows(&mut scores, width, &rows, (lo, hi), p0 * KEYS, &mut lse[i0..i0 + n]);
+        let o = values_of::<DP, R, AVX512>(&scores, width, lo - p0 * KEYS, &h.v[lo * DP..hi * DP]);
         for (r, or) in o.iter().enumerate().take(n) {
             let dst = &mut out[(i0 + r) * d..][..d];
             dst.iter_mut().zip(or).for_each(|(y, &x)| *y = x * inv[r]);
         }
     }
+}
+
+/// The softmax of each tile row over its visible keys `rows[r]`, in place in `scores (R, width)` (whose
+/// column 0 is key `base`): the columns of the tile's span `lo..hi` that a row does not see become 0.
+/// Writes the rows' logsumexps into `lse` (one per real row) and returns `1 / sum` per row (0 for a row
+/// that sees no key), by which its `P V` is divided.
+#[inline(always)]
+fn softmax_rows<const R: usize>(
+    scores: &mut [f32],
+    width: usize,
+    rows: &[(usize, usize); R],
+    (lo, hi): (usize, usize),
+    base: usize,
+    lse: &mut [f64],
+) -> [f32; R] {
+    let mut inv = [0f32; R];
+    for (r, &(rlo, rhi)) in rows.iter().enumerate() {
+        let row = &mut scores[r * width..][..width];
+        let (a, b) = (lo - base, hi - base);
+        if rhi <= rlo {
+            row[a..b].fill(0.0);
+            continue;
+        }
+        let (ra, rb) = (rlo - base, rhi - base);
+        row[a..ra].fill(0.0);
+        row[rb..b].fill(0.0);
+        let span = &mut row[ra..rb];
+        let m = max(span);
+        let l = exp_sum(span, m);
+        lse[r] = m as f64 + l.ln();
+        inv[r] = (1.0 / l) as f32;
+    }
+    inv
+}
+
+/// [`tile_scores`], through [`avx512`]'s intrinsics when `AVX512` (set only inside [`head_avx512`]).
+#[inline(always)]
+fn scores_of<const DP: usize, const R: usize, const AVX512: bool>(
+    qs: &[[f32; DP]; R],
+    panels: &[f32],
+    d: usize,
+    scores: &mut [f32],
+    width: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 {
+        // SAFETY: `AVX512` is set only by `head_avx512`, which runs on CPUs with AVX-512F and FMA.
+        return unsafe { avx512::tile_scores(qs, panels, d, scores, width) };
+    }
+    tile_scores(qs, panels, d, scores, width)
+}
+
+/// [`tile_values`], through [`avx512`]'s intrinsics when `AVX512` (as [`scores_of`]).
+#[inline(always)]
+fn values_of<const DP: usize, const R: usize, const AVX512: bool>(
+    probs: &[f32],
+    width: usize,
+    first: usize,
+    v: &[f32],
+) -> [[f32; DP]; R] {
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 {
+        // SAFETY: as in `scores_of`.
+        return unsafe { avx512::tile_values(probs, width, first, v) };
+    }
+    tile_values(probs, width, first, v)
 }
 
 /// The largest element (NaN ignored, as `f32::max`), in 16 lanes.
