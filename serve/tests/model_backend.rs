@@ -262,17 +262,16 @@ fn packed_jobs_answer_what_they_answer_alone() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Batched vision: six jobs started together, each with its own screenshot, share vision forwards and
-/// answer what each answers alone (tolerance as above: batching changes GEMM row counts only).
-#[test]
-fn screenshots_of_jobs_started_together_are_encoded_together() -> anyhow::Result<()> {
-    let mut b = backend(false)?.with_prefix_cache(0);
+/// Six step jobs, each with a screenshot of its own: `started` of them start together and the rest are
+/// handed in while those run. Each answers what it answers alone (tolerance 1e-5 on `ask_probability`:
+/// batching changes GEMM row counts only) and each screenshot is encoded exactly once.
+fn screenshot_jobs_answer_as_alone(started: usize, max_tokens: usize) -> anyhow::Result<()> {
     let sizes = [(200, 150), (160, 120), (240, 180), (120, 200), (280, 140), (200, 200)];
     let jobs = || {
         sizes
             .iter()
             .map(|&(w, h)| {
-                let opts = StepOptions { max_tokens: Some(16), ..Default::default() };
+                let opts = StepOptions { max_tokens: Some(max_tokens), ..Default::default() };
                 let job = StepJob { screenshot: Some(screenshot(w, h)), ..step_job("Call mum", opts) };
                 Job::new(JobKind::Step(job), None)
             })
@@ -284,8 +283,10 @@ fn screenshots_of_jobs_started_together_are_encoded_together() -> anyhow::Result
         Backend::run(&mut b, vec![job]);
         alone.push(step_of(rx.blocking_recv()?));
     }
-    let (first, rxs): (Vec<Job>, Vec<_>) = jobs().into_iter().unzip();
-    let mut intake = Recorder { later: vec![], batches: vec![], vision: vec![] };
+    let mut b = backend(false)?.with_prefix_cache(0);
+    let (mut first, rxs): (Vec<Job>, Vec<_>) = jobs().into_iter().unzip();
+    let later = first.split_off(started);
+    let mut intake = Recorder { later, batches: vec![], vision: vec![] };
     b.run_continuous(first, &mut intake);
     for (i, rx) in rxs.into_iter().enumerate() {
         let r = step_of(rx.blocking_recv()?);
@@ -300,42 +301,17 @@ fn screenshots_of_jobs_started_together_are_encoded_together() -> anyhow::Result
     Ok(())
 }
 
-/// Jobs handed in while others run, each with a screenshot of its own: their prompts (and vision
-/// forwards) join forwards that hold other jobs' decode steps, and they answer what each answers alone;
-/// each screenshot is encoded once. Tolerance as above.
+/// Batched vision: six jobs started together share vision forwards and answer what each answers alone.
+#[test]
+fn screenshots_of_jobs_started_together_are_encoded_together() -> anyhow::Result<()> {
+    screenshot_jobs_answer_as_alone(6, 16)
+}
+
+/// Jobs handed in while others run: their prompts (and vision forwards) join forwards that hold other
+/// jobs' decode steps, and they answer what each answers alone.
 #[test]
 fn screenshots_arriving_mid_run_answer_as_alone() -> anyhow::Result<()> {
-    let sizes = [(200, 150), (160, 120), (240, 180), (120, 200), (280, 140), (200, 200)];
-    let jobs = || {
-        sizes
-            .iter()
-            .map(|&(w, h)| {
-                let opts = StepOptions { max_tokens: Some(24), ..Default::default() };
-                let job = StepJob { screenshot: Some(screenshot(w, h)), ..step_job("Call mum", opts) };
-                Job::new(JobKind::Step(job), None)
-            })
-            .collect::<Vec<_>>()
-    };
-    let mut alone = Vec::new();
-    for (job, rx) in jobs() {
-        let mut b = backend(false)?.with_prefix_cache(0);
-        Backend::run(&mut b, vec![job]);
-        alone.push(step_of(rx.blocking_recv()?));
-    }
-    let mut b = backend(false)?.with_prefix_cache(0);
-    let (mut first, rxs): (Vec<Job>, Vec<_>) = jobs().into_iter().unzip();
-    let later = first.split_off(2);
-    let mut intake = Recorder { later, batches: vec![], vision: vec![] };
-    b.run_continuous(first, &mut intake);
-    for (i, rx) in rxs.into_iter().enumerate() {
-        let r = step_of(rx.blocking_recv()?);
-        let (p, q) = (r.ask_probability.unwrap(), alone[i].ask_probability.unwrap());
-        assert!((p - q).abs() <= 1e-5, "job {i}: ask_probability {p} vs {q} alone");
-        assert_eq!(r.raw, alone[i].raw, "job {i}: the same answer");
-    }
-    eprintln!("screenshots per vision forward: {:?}", intake.vision);
-    assert_eq!(intake.vision.iter().sum::<usize>(), 6, "each screenshot encoded once: {:?}", intake.vision);
-    Ok(())
+    screenshot_jobs_answer_as_alone(2, 24)
 }
 
 /// Chunked prefill: with chunks of 100 tokens, three jobs' prompts (about 900 tokens each) run over
