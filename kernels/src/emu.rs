@@ -185,7 +185,7 @@ pub fn run(plan: &Plan, inputs: &[&[u8]], opts: &Options) -> Result<Vec<Vec<u8>>
     if inputs.len() != plan.inputs() {
         return Err(err(format!("the plan reads {} inputs, {} given", plan.inputs(), inputs.len())));
     }
-    let mut bufs = Vec::with_capacity(plan.buffers.len());
+    let mut bufs: Vec<HostBuf> = Vec::with_capacity(plan.buffers.len());
     for b in &plan.buffers {
         let bytes = b.len * b.elem.size();
         bufs.push(match &b.init {
@@ -201,6 +201,10 @@ pub fn run(plan: &Plan, inputs: &[&[u8]], opts: &Options) -> Result<Vec<Vec<u8>>
             Init::Host(h) => return Err(err(format!("table `{}` has {} bytes, expected {bytes}", b.name, h.len()))),
             Init::Zeroed => HostBuf::filled(bytes, 0),
             Init::Uninit => HostBuf::filled(bytes, 0xff),
+            Init::Addresses(of) => {
+                let addrs: Vec<u8> = of.iter().flat_map(|&i| (bufs[i].ptr as u64).to_le_bytes()).collect();
+                HostBuf::from_bytes(&addrs)
+            }
         });
     }
     for (n, l) in plan.launches.iter().enumerate() {

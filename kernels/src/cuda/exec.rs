@@ -7,10 +7,12 @@
 //! more than 48 KiB of dynamic shared memory when its launch asks for it.
 
 use crate::cuda::ptx;
-use crate::plan::{pod_words, Arg, Caps, Elem, Init, Module, Plan};
+use crate::plan::{bytes_of, pod_words, Arg, Caps, Elem, Init, Module, Plan};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, Result};
 use half::bf16;
@@ -21,6 +23,7 @@ fn module(m: Module) -> (&'static str, &'static str) {
         Module::Attention => ("askgui_attention", ptx::ATTENTION),
         Module::AttentionTc => ("askgui_attention_tc", ptx::ATTENTION_TC),
         Module::Norm => ("askgui_norm", ptx::NORM),
+        Module::PagedAttention => ("askgui_paged_attention", ptx::PAGED_ATTENTION),
         Module::Rope => ("askgui_rope", ptx::ROPE),
         Module::CrossEntropy => ("askgui_cross_entropy", ptx::CROSS_ENTROPY),
         Module::Tiling => ("askgui_tiling", ptx::TILING),
@@ -86,6 +89,21 @@ fn input<'a>(op: &str, (s, start): (&'a CudaStorage, usize), elem: Elem, len: us
     })
 }
 
+/// The device address of `b`'s first element. The stream is the one every launch of the plan runs on, so
+/// the read is ordered after whatever wrote the buffer.
+fn address(b: &Buf<'_>, stream: &std::sync::Arc<CudaStream>) -> u64 {
+    match b {
+        Buf::F32(v) => v.device_ptr(stream).0,
+        Buf::Bf16(v) => v.device_ptr(stream).0,
+        Buf::U8(v) => v.device_ptr(stream).0,
+        Buf::U32(v) => v.device_ptr(stream).0,
+        Buf::I64(v) => v.device_ptr(stream).0,
+        Buf::OwnF32(s) => s.device_ptr(stream).0,
+        Buf::OwnBf16(s) => s.device_ptr(stream).0,
+        Buf::OwnBytes(s) => s.device_ptr(stream).0,
+    }
+}
+
 fn allocate(dev: &CudaDevice, elem: Elem, len: usize, zeroed: bool) -> Result<Buf<'static>> {
     let n = len.max(1);
     // SAFETY (uninitialised): the plan's contract for `Init::Uninit` is that a launch writes every element
@@ -109,6 +127,7 @@ pub fn run(dev: &CudaDevice, plan: &Plan, inputs: &[(&CudaStorage, usize)]) -> R
     if inputs.len() != plan.inputs() {
         bail!("{op}: the plan reads {} inputs, {} given", plan.inputs(), inputs.len())
     }
+    let stream = dev.cuda_stream();
     let mut bufs: Vec<Option<Buf>> = Vec::with_capacity(plan.buffers.len());
     for b in &plan.buffers {
         bufs.push(Some(match &b.init {
@@ -116,9 +135,13 @@ pub fn run(dev: &CudaDevice, plan: &Plan, inputs: &[(&CudaStorage, usize)]) -> R
             Init::Host(bytes) => Buf::OwnBytes(dev.clone_htod(bytes)?),
             Init::Zeroed => allocate(dev, b.elem, b.len, true)?,
             Init::Uninit => allocate(dev, b.elem, b.len, false)?,
+            Init::Addresses(of) => {
+                let buf = |i: usize| bufs[i].as_ref().expect("earlier buffers are all there");
+                let addrs: Vec<u64> = of.iter().map(|&i| address(buf(i), &stream)).collect();
+                Buf::OwnBytes(dev.clone_htod(&bytes_of(&addrs))?)
+            }
         }));
     }
-    let stream = dev.cuda_stream();
     for l in &plan.launches {
         let (mname, ptx) = module(l.module);
         let func = dev.get_or_load_custom_func(&l.kernel, mname, ptx)?.into_cuda_function();

@@ -36,8 +36,12 @@ pub fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> R
     if b != 1 || t == 0 || t > total || hq % hkv != 0 {
         bail!("paged_attention: q {:?} against {total} cached keys of {hkv} heads: need B = 1, 1 <= T <= keys, Hq % Hkv = 0", q.dims());
     }
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return cuda::paged_attention(q, blocks, scale);
+    }
     if !matches!(q.device(), Device::Cpu) {
-        bail!("paged_attention runs on the CPU; concatenate the blocks and call attention() on other devices");
+        bail!("paged_attention runs on the CPU and CUDA; concatenate the blocks and call attention() elsewhere");
     }
     let q32 = q.to_dtype(DType::F32)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
     // The blocks' storages stay read-locked while the slices borrow them: f32 blocks are read in place.
@@ -81,6 +85,59 @@ pub fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> R
     });
     // (Hq * T * D) -> (1, Hq, T, D)
     Tensor::from_vec(out, (1, hq, t, d), &Device::Cpu)?.to_dtype(q.dtype())
+}
+
+/// The CUDA path: the launch plan of `cuda/paged_attention.cu` (`crate::plan::paged_attention`), run as a
+/// CustomOp on `q` that reads the blocks' storages in place.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::ops::gpu;
+    use crate::plan::paged_attention as plan;
+    use candle_core::backend::BackendStorage;
+    use candle_core::{bail, CudaStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
+
+    pub(super) fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> Result<Tensor> {
+        // A block a prefix cut short is a narrowed view; the kernel wants each one contiguous.
+        let blocks = blocks.iter().map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?))).collect::<Result<Vec<_>>>()?;
+        q.contiguous()?.apply_op1_no_bwd(&Paged { blocks, scale })
+    }
+
+    struct Paged {
+        blocks: Vec<(Tensor, Tensor)>,
+        scale: f64,
+    }
+
+    impl CustomOp1 for Paged {
+        fn name(&self) -> &'static str {
+            "paged_attention"
+        }
+
+        fn cpu_fwd(&self, _: &candle_core::CpuStorage, _: &Layout) -> Result<(candle_core::CpuStorage, Shape)> {
+            bail!("paged_attention: the CUDA op was given a CPU tensor")
+        }
+
+        fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+            let op = self.name();
+            let (_, hq, t, d) = l.shape().dims4()?;
+            let hkv = self.blocks[0].0.dim(1)?;
+            // check_blocks made every block's dtype q's.
+            let elem = gpu::elem(op, &[("q", s.dtype())])?;
+            let lens: Vec<usize> = self.blocks.iter().map(|(k, _)| k.dim(2)).collect::<Result<_>>()?;
+            let plan = plan::forward((hq, hkv, t, d), &lens, self.scale, elem)?;
+            // The blocks' storages stay read-locked while the kernel's inputs borrow them.
+            let locked: Vec<_> =
+                self.blocks.iter().flat_map(|(k, v)| [k.storage_and_layout(), v.storage_and_layout()]).collect();
+            let mut inputs = vec![gpu::input(op, "q", (s, l))?];
+            for (storage, layout) in &locked {
+                match &**storage {
+                    Storage::Cuda(c) => inputs.push(gpu::input(op, "block", (c, layout))?),
+                    _ => bail!("{op}: q is on a CUDA device and a cached block is not"),
+                }
+            }
+            let out = gpu::single(op, gpu::run(&plan, &inputs)?)?;
+            Ok((out, l.shape().clone()))
+        }
+    }
 }
 
 /// The twin: the blocks concatenated, then [`attention_reference`] under the causal mask.

@@ -14,6 +14,7 @@
 pub mod attention;
 pub mod cross_entropy;
 pub mod norm;
+pub mod paged_attention;
 pub mod rope;
 pub mod tiling;
 
@@ -28,6 +29,7 @@ pub enum Elem {
     I32,
     U32,
     I64,
+    U64,
 }
 
 impl Elem {
@@ -36,7 +38,7 @@ impl Elem {
             Elem::U8 => 1,
             Elem::Bf16 => 2,
             Elem::F32 | Elem::I32 | Elem::U32 => 4,
-            Elem::I64 => 8,
+            Elem::I64 | Elem::U64 => 8,
         }
     }
 
@@ -50,6 +52,7 @@ impl Elem {
             Elem::I32 => "i32",
             Elem::U32 => "u32",
             Elem::I64 => "i64",
+            Elem::U64 => "u64",
         }
     }
 }
@@ -64,6 +67,9 @@ pub enum Init {
     Zeroed,
     /// Allocated but not written: a kernel of the plan writes every element before anything reads it.
     Uninit,
+    /// The device addresses of these earlier buffers (element 0 of each), as a `u64` table: how a kernel
+    /// reaches a number of inputs its signature cannot list (the blocks of a paged KV cache).
+    Addresses(Vec<usize>),
 }
 
 /// One buffer of a plan: `len` elements of `elem`.
@@ -114,6 +120,7 @@ pub enum Module {
     Attention,
     AttentionTc,
     Norm,
+    PagedAttention,
     Rope,
     CrossEntropy,
     Tiling,
@@ -126,6 +133,7 @@ impl Module {
             Module::Attention => "attention",
             Module::AttentionTc => "attention_tc",
             Module::Norm => "norm",
+            Module::PagedAttention => "paged_attention",
             Module::Rope => "rope",
             Module::CrossEntropy => "cross_entropy",
             Module::Tiling => "tiling",
@@ -275,6 +283,18 @@ impl Plan {
                             b.len
                         ));
                     }
+                }
+            }
+        }
+        for (n, b) in self.buffers.iter().enumerate() {
+            if let Init::Addresses(of) = &b.init {
+                if b.elem != Elem::U64 || b.len != of.len() || of.iter().any(|&i| i >= n) {
+                    return Err(plan_err!(
+                        "{}: address table `{}` must be {} u64 addresses of earlier buffers",
+                        self.op,
+                        b.name,
+                        of.len()
+                    ));
                 }
             }
         }

@@ -9,6 +9,7 @@ mod common;
 
 mod attention;
 mod norm_rope_ce;
+mod paged_attention;
 mod tiling;
 
 /// The first CUDA device, or `None` (with a SKIPPED line naming the test) where there is none.

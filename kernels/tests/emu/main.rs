@@ -18,6 +18,7 @@ mod attention;
 mod checks;
 mod cross_entropy;
 mod norm;
+mod paged_attention;
 mod planted;
 mod rope;
 mod tiling;
