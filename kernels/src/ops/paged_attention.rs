@@ -14,10 +14,12 @@
 //! sums, kept in f32) over the visible keys of every block, `exp` vectorised in f32 ([`exp_shifted_f32`])
 //! with the sum in f64, `sum p_j v_j` in f64, rounded to the storage dtype once. No
 //! GEMM: it is meant for decoding (a few rows); prefills concatenate and take [`super::attention()`].
-//! CPU only: a CUDA caller concatenates (a paged kernel for the GPU is not written yet). bf16 blocks are
-//! widened to f32 one block at a time.
+//! bf16 blocks are widened to f32 one block at a time. On CUDA tensors (feature `cuda`) the same call runs
+//! `cuda/paged_attention.cu` through its launch plan (`crate::plan::paged_attention`), all in f32.
 //!
-//! Tests: `cargo test -p askgui-kernels --test paged_attention`.
+//! Tests: `cargo test -p askgui-kernels --test paged_attention` (the CPU op against its twin), `--features
+//! cpu-exec --test emu paged` (the CUDA kernel, executed on the CPU, against the CPU op), and on a GPU
+//! `--features cuda --test cuda paged`.
 
 use super::exp::{exp_shifted_f32, split_shift};
 use super::f32_slice;
