@@ -7,8 +7,8 @@
 //! append writes into the last block only (copying at most `KV_BLOCK` positions: the block a fork shares
 //! with its parent is copied when one of them writes into it, never the full ones), and a fork clones a
 //! list of block handles. Attention reads the blocks where they are
-//! ([`askgui_kernels::ops::paged_attention`]) on the CPU's decode path; prefills concatenate them, and off
-//! the CPU a layer is one block (see [`KvCache`]).
+//! ([`askgui_kernels::ops::paged_attention`], on the CPU and on CUDA) on the decode path; prefills
+//! concatenate them, and elsewhere a layer is one block (see [`KvCache`]).
 //!
 //! Accounting: every block holds a ticket from its [`KvPool`]; the ticket goes back when the last cache
 //! holding the block drops it, so [`KvPool::blocks_in_use`] is the reference count of the whole pool and
@@ -20,12 +20,18 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
 /// Positions per block.
 pub const KV_BLOCK: usize = 32;
+
+/// Whether caches on `dev` are kept in [`KV_BLOCK`]s that attention reads in place: the devices the paged
+/// attention runs on (the CPU, and CUDA with its kernel).
+pub(crate) fn paged_device(dev: &Device) -> bool {
+    dev.is_cpu() || dev.is_cuda()
+}
 
 /// Where the blocks of a set of caches come from: a count of live blocks (one layer's keys and values of
 /// [`KV_BLOCK`] positions each) and an optional budget.
@@ -107,7 +113,7 @@ impl Drop for Ticket {
     }
 }
 
-/// Keys and values of up to [`KV_BLOCK`] positions of one layer (on the CPU; all of the layer's elsewhere),
+/// Keys and values of up to [`KV_BLOCK`] positions of one layer (all of the layer's where it is one block),
 /// `(B, Hkv, n, D)`, contiguous.
 #[derive(Clone, Debug)]
 struct Block {
@@ -125,17 +131,18 @@ impl Block {
 
 /// Per-layer rotated keys and values, in blocks; cloning a cache shares its blocks.
 ///
-/// On the CPU the blocks are [`KV_BLOCK`] positions each and decode steps attend through them in place. On
-/// other devices each layer is one block that every append replaces by a longer copy, as a plain cache
-/// would: their attention kernels want one tensor, and concatenating dozens of blocks per layer and step
-/// would cost a kernel launch each (a paged GPU kernel is not written yet). Such a block holds tickets for
-/// the [`KV_BLOCK`]s its positions fill, so the pool's budget means the same on every device.
+/// On the CPU and on CUDA the blocks are [`KV_BLOCK`] positions each and decode steps of one sequence
+/// attend through them in place. A batch of sequences in one cache (`B > 1`, batched generation) on CUDA,
+/// and any cache on other devices, keeps each layer as one block that every append replaces by a longer
+/// copy, as a plain cache would: their attention wants one tensor, and concatenating dozens of blocks per
+/// layer and step would cost a kernel launch each. Such a block holds tickets for the [`KV_BLOCK`]s its
+/// positions fill, so the pool's budget means the same on every device.
 #[derive(Default, Clone, Debug)]
 pub struct KvCache {
     layers: Vec<Vec<Block>>,
     /// The pool new blocks come from (none: an unbounded pool of this cache's own).
     pool: Option<Arc<KvPool>>,
-    /// One block per layer whatever the device (what caches off the CPU do).
+    /// One block per layer whatever the device (what caches do where attention cannot read blocks).
     whole: bool,
 }
 
@@ -145,8 +152,8 @@ impl KvCache {
         Self { layers: Vec::new(), pool: Some(pool), whole: false }
     }
 
-    /// [`Self::in_pool`] with one block per layer, as off the CPU, on any device (to test that layout on
-    /// a machine without a GPU).
+    /// [`Self::in_pool`] with one block per layer, as on devices without the paged attention, on any
+    /// device (to test that layout on a machine without a GPU).
     pub fn whole_in_pool(pool: Arc<KvPool>) -> Self {
         Self { whole: true, ..Self::in_pool(pool) }
     }
@@ -203,7 +210,8 @@ impl KvCache {
     /// Appends layer `i`'s new keys and values `(B, Hkv, T, D)`: the last block is filled up to
     /// [`KV_BLOCK`] (a new tensor: whoever shares the old one keeps it), then new blocks take the rest.
     pub(crate) fn append(&mut self, i: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        if self.whole || !k.device().is_cpu() {
+        let batched_gpu = !k.device().is_cpu() && k.dim(0)? > 1;
+        if self.whole || !paged_device(k.device()) || batched_gpu {
             return self.append_whole(i, k, v);
         }
         let t = k.dim(2)?;
@@ -235,7 +243,7 @@ impl KvCache {
         Ok(())
     }
 
-    /// [`Self::append`] off the CPU: layer `i`'s one block replaced by itself and the new positions. The
+    /// [`Self::append`] for one block a layer: layer `i`'s one block replaced by itself and the new positions. The
     /// old block is let go before the new one's ticket is taken, so a growing cache does not count twice
     /// (a cache whose append failed is dropped by its caller, as on the CPU).
     fn append_whole(&mut self, i: usize, k: &Tensor, v: &Tensor) -> Result<()> {

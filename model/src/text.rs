@@ -208,14 +208,19 @@ impl TextDecoder {
         train: Option<&TrainCtx>,
     ) -> Result<Tensor> {
         let (q, mut k, mut v) = self.qkv(i, x, rope, train)?;
+        let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         if let Some(cache) = cache {
             let past = cache.layer_len(i);
             cache.append(i, &k, &v)?;
+            let plain = train.is_none() && key_padding.is_none() && matches!(mask, AttentionMask::Causal);
+            if plain && self.reads_paged(&q, past)? {
+                let o = askgui_kernels::ops::paged_attention(&q, &cache.blocks(i), scale)?;
+                return self.attn_out_mlp(i, x, &o, None);
+            }
             if past > 0 {
                 (k, v) = cache.keys_values(i)?;
             }
         }
-        let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         let o = match train {
             None => crate::layers::attention(&q, &k, &v, mask, key_padding, scale, self.kernels)?,
             Some(ctx) => ctx.attention((&q, &k, &v), mask, key_padding, scale)?,
@@ -242,7 +247,7 @@ impl TextDecoder {
             let (past, k, v) = (cache.layer_len(i), part(&k)?, part(&v)?);
             cache.append(i, &k, &v)?;
             let q = part(&q)?;
-            let o = if past > 0 && len <= PAGED_ROWS && q.device().is_cpu() && self.kernels == KernelChoice::Askgui {
+            let o = if self.reads_paged(&q, past)? {
                 askgui_kernels::ops::paged_attention(&q, &cache.blocks(i), scale)?
             } else {
                 // A first prefill attends over its own keys: the cache need not be read back.
@@ -253,6 +258,19 @@ impl TextDecoder {
             start += len;
         }
         self.attn_out_mlp(i, x, &Tensor::cat(&outs, 2)?, None)
+    }
+
+    /// Whether the attention of `q (B, nh, T, hd)` reads its layer's cache blocks in place (after `past`
+    /// cached positions): a few new rows of one sequence (a decode step, a fork's tokens), f32 or bf16, on a
+    /// device with the paged attention, with askgui's kernels.
+    fn reads_paged(&self, q: &Tensor, past: usize) -> Result<bool> {
+        let (b, _, t, _) = q.dims4()?;
+        Ok(past > 0
+            && b == 1
+            && matches!(q.dtype(), DType::F32 | DType::BF16)
+            && t <= PAGED_ROWS
+            && crate::kv_cache::paged_device(q.device())
+            && self.kernels == KernelChoice::Askgui)
     }
 
     /// Layer `i`'s pre-norm and projections: `x (B, T, H)` -> rotated `q (B, nh, T, hd)`, rotated

@@ -63,7 +63,8 @@ fn forks_and_shared_prefixes_decode_as_full_forwards() {
     forks_and_shared_prefixes(KvCache::in_pool);
 }
 
-/// The same with one block per layer (the layout off the CPU).
+/// The same with one block per layer (the layout of batched CUDA caches and of devices without the paged
+/// attention).
 #[test]
 fn whole_layer_caches_decode_as_full_forwards() {
     forks_and_shared_prefixes(KvCache::whole_in_pool);
