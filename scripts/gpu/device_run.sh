@@ -6,6 +6,9 @@
 #                                         # start, the server on the CPU against the GPU, the kernel
 #                                         # benchmarks beside PyTorch's
 #   scripts/gpu/device_run.sh OUT model   # ~5 min: the 3B-shaped LoRA step and generation, PyTorch then askgui
+#   scripts/gpu/device_run.sh OUT paged   # the paged KV cache: CUDA tests, the server, the decode step, the
+#                                         # 3B-shaped generation (OLD_GENERATE=NAME: also an older build's
+#                                         # generate example, put in the bundle's examples/ as NAME)
 #
 # Needs, built on a machine with Rust (no GPU needed there; carry target/gpu-bundle.tar.xz and target/gpu-data):
 #   scripts/build_cuda_artifacts.sh --xz --example generate --example lora_step --example bench_cuda
@@ -73,6 +76,19 @@ compare() { # compare REF RUN RTOL
   grep -E "PASS|FAIL" "$work/compare-$2-vs-$1.log" | sed 's/^/    /' >>"$summary"
 }
 
+# The server on the GPU answers as the one on the CPU (the tiny fixture, f32, greedy).
+serve_smoke() {
+  local serve=$bundle/bin/askgui-serve servers=() d
+  for d in cpu:18101 cuda:18102; do
+    "$serve" --model model/tests/fixtures/tiny-qwen2_5_vl --no-ui --device "${d%:*}" --dtype f32 --port "${d#*:}" \
+      >"$work/serve-${d%:*}.log" 2>&1 &
+    servers+=($!)
+  done
+  step serve-cpu-vs-cuda 240 python3 scripts/gpu/serve_smoke.py http://127.0.0.1:18101 http://127.0.0.1:18102
+  tail -2 "$work/serve-cpu-vs-cuda.log" | sed 's/^/    /' >>"$summary"
+  kill "${servers[@]}" 2>/dev/null
+}
+
 case $stage in
   check)
     # check-gpu, then the CUDA test executable (the bundle's other tests are CPU tests CI runs).
@@ -103,17 +119,7 @@ case $stage in
     t0=$SECONDS
     wait
     note "nccl two ranks on one GPU: ended after $((SECONDS - t0)) s; rank 0: $(grep -m1 -E '^Error|panicked' "$work/nccl-rank0.log"); rank 1: $(grep -m1 -E '^Error|panicked' "$work/nccl-rank1.log")"
-    # The server on the GPU answers as the one on the CPU (the tiny fixture, f32, greedy).
-    serve=$bundle/bin/askgui-serve
-    servers=()
-    for d in cpu:18101 cuda:18102; do
-      "$serve" --model model/tests/fixtures/tiny-qwen2_5_vl --no-ui --device "${d%:*}" --dtype f32 --port "${d#*:}" \
-        >"$work/serve-${d%:*}.log" 2>&1 &
-      servers+=($!)
-    done
-    step serve-cpu-vs-cuda 240 python3 scripts/gpu/serve_smoke.py http://127.0.0.1:18101 http://127.0.0.1:18102
-    tail -2 "$work/serve-cpu-vs-cuda.log" | sed 's/^/    /' >>"$summary"
-    kill "${servers[@]}" 2>/dev/null
+    serve_smoke
     if [ "${BENCH:-1}" != 0 ]; then
       step bench-cuda 240 "$bundle/run.sh" --example bench_cuda all
       SKIP_CHECK_GPU=1 step torch-kernels 300 scripts/gpu/run_all.sh "$work/torch" attention tiling
@@ -131,7 +137,31 @@ case $stage in
       --prompt "Open the settings and turn on dark mode." --max-new-tokens 32 --ignore-eos --timings --repeat 5 \
       --device cuda --dtype bf16
     ;;
-  *) echo "unknown stage $stage: check or model" >&2; exit 2 ;;
+  paged)
+    # The paged KV cache: the CUDA tests (the paged kernel's among them), the server on the CPU against
+    # the GPU (its decode steps and action-name forks read the cache through the paged kernel), the paged
+    # decode step against concatenation + attention, then the 3B-shaped generation with this build and,
+    # when $OLD_GENERATE names it, the generate example of the build before the paged cache.
+    step cuda-tests 300 "$bundle/run.sh" cuda
+    grep -E "FAIL|test result|paged" "$work/cuda-tests.log" | sed 's/^/    /' | head -20 >>"$summary"
+    serve_smoke
+    step bench-paged 120 "$bundle/run.sh" --example bench_cuda paged
+    sed 's/^/    /' "$work/bench-paged.log" >>"$summary"
+    ckpt=target/gpu-bench/qwen3b-random
+    gunzip -c "$data/tokenizer.json.gz" >"$work/tokenizer.json"
+    step checkpoint-3b 300 python3 scripts/fixtures/random_checkpoint.py --shape 3b --device cuda --out "$ckpt" \
+      --tokenizer "$work/tokenizer.json"
+    python3 -c "import numpy as np; from PIL import Image; Image.fromarray(np.random.default_rng(0).integers(0, 256, (2400, 1080, 3), dtype=np.uint8)).save('$work/screen.png')"
+    gen=(--model "$ckpt" --image "$work/screen.png" --prompt "Open the settings and turn on dark mode."
+      --max-new-tokens 32 --ignore-eos --timings --repeat 5 --device cuda --dtype bf16)
+    step generate-paged 240 "$bundle/run.sh" --example generate "${gen[@]}"
+    grep -h '^{' "$work/generate-paged.log" | sed 's/^/    paged: /' >>"$summary"
+    if [ -n "${OLD_GENERATE:-}" ]; then
+      step generate-before 240 "$bundle/run.sh" --example "$OLD_GENERATE" "${gen[@]}"
+      grep -h '^{' "$work/generate-before.log" | sed 's/^/    before: /' >>"$summary"
+    fi
+    ;;
+  *) echo "unknown stage $stage: check, model or paged" >&2; exit 2 ;;
 esac
 tar -C "$(dirname "$work")" --exclude='*.safetensors' -czf "$out/$stage.tar.gz" "$stage"
 note "$stage: $failed failed; logs in $out/$stage.tar.gz"

@@ -1,7 +1,7 @@
 //! GPU benchmarks of the CUDA kernels (feature `cuda`): one JSON line per measurement on stdout, with the
 //! same keys as the PyTorch side in `scripts/gpu/`, so the two can be set side by side as ratios.
 //!
-//! `bench_cuda [attention|norm_rope_ce|tiling|all]` (default all). Times are medians of CUDA-synchronised
+//! `bench_cuda [attention|norm_rope_ce|tiling|paged|all]` (default all). Times are medians of CUDA-synchronised
 //! wall clocks after warm-up.
 
 use anyhow::{bail, Result};
@@ -9,6 +9,7 @@ use candle_core::Device;
 
 mod attention;
 mod norm_rope_ce;
+mod paged;
 mod tiling;
 
 fn main() -> Result<()> {
@@ -18,12 +19,14 @@ fn main() -> Result<()> {
         "attention" => attention::run(&dev),
         "norm_rope_ce" => norm_rope_ce::run(&dev),
         "tiling" => tiling::run(&dev),
+        "paged" => paged::run(&dev),
         "all" => {
             attention::run(&dev)?;
             norm_rope_ce::run(&dev)?;
-            tiling::run(&dev)
+            tiling::run(&dev)?;
+            paged::run(&dev)
         }
-        other => bail!("unknown benchmark `{other}`: use attention, norm_rope_ce, tiling or all"),
+        other => bail!("unknown benchmark `{other}`: use attention, norm_rope_ce, tiling, paged or all"),
     }
 }
 
