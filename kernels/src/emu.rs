@@ -10,7 +10,7 @@
 //! The C++ side (`emu/runtime.cpp`) checks barriers, warp masks, deadlock, wmma operands and shared
 //! memory bounds. Tests: `cargo test -p askgui-kernels --features cpu-exec --test emu`.
 
-use crate::plan::{pod_words, Arg, Caps, Elem, Init, Plan};
+use crate::plan::{pod_words, table_bytes, Arg, Caps, Elem, Init, Plan};
 use std::alloc::{alloc, dealloc, Layout};
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::fmt;
@@ -201,10 +201,7 @@ pub fn run(plan: &Plan, inputs: &[&[u8]], opts: &Options) -> Result<Vec<Vec<u8>>
             Init::Host(h) => return Err(err(format!("table `{}` has {} bytes, expected {bytes}", b.name, h.len()))),
             Init::Zeroed => HostBuf::filled(bytes, 0),
             Init::Uninit => HostBuf::filled(bytes, 0xff),
-            Init::Addresses(of) => {
-                let addrs: Vec<u8> = of.iter().flat_map(|&i| (bufs[i].ptr as u64).to_le_bytes()).collect();
-                HostBuf::from_bytes(&addrs)
-            }
+            Init::Table(words) => HostBuf::from_bytes(&table_bytes(words, |i| bufs[i].ptr as u64)),
         });
     }
     for (n, l) in plan.launches.iter().enumerate() {

@@ -7,7 +7,7 @@
 //! more than 48 KiB of dynamic shared memory when its launch asks for it.
 
 use crate::cuda::ptx;
-use crate::plan::{bytes_of, pod_words, Arg, Caps, Elem, Init, Module, Plan};
+use crate::plan::{pod_words, table_bytes, Arg, Caps, Elem, Init, Module, Plan};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -135,10 +135,9 @@ pub fn run(dev: &CudaDevice, plan: &Plan, inputs: &[(&CudaStorage, usize)]) -> R
             Init::Host(bytes) => Buf::OwnBytes(dev.clone_htod(bytes)?),
             Init::Zeroed => allocate(dev, b.elem, b.len, true)?,
             Init::Uninit => allocate(dev, b.elem, b.len, false)?,
-            Init::Addresses(of) => {
+            Init::Table(words) => {
                 let buf = |i: usize| bufs[i].as_ref().expect("earlier buffers are all there");
-                let addrs: Vec<u64> = of.iter().map(|&i| address(buf(i), &stream)).collect();
-                Buf::OwnBytes(dev.clone_htod(&bytes_of(&addrs))?)
+                Buf::OwnBytes(dev.clone_htod(&table_bytes(words, |i| address(buf(i), &stream)))?)
             }
         }));
     }

@@ -45,6 +45,8 @@ pub fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> R
     if !matches!(q.device(), Device::Cpu) {
         bail!("paged_attention runs on the CPU and CUDA; concatenate the blocks and call attention() elsewhere");
     }
+    // A narrowed block (a cut prefix) is copied; a contiguous one is shared.
+    let blocks = &blocks.iter().map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?))).collect::<Result<Vec<_>>>()?;
     let q32 = q.to_dtype(DType::F32)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
     // The blocks' storages stay read-locked while the slices borrow them: f32 blocks are read in place.
     let keys: Vec<_> = blocks.iter().map(|(k, _)| k.storage_and_layout()).collect();
@@ -90,17 +92,25 @@ pub fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> R
 }
 
 /// The CUDA path: the launch plan of `cuda/paged_attention.cu` (`crate::plan::paged_attention`), run as a
-/// CustomOp on `q` that reads the blocks' storages in place.
+/// CustomOp on `q` that reads the blocks' storages in place, narrowed views included.
 #[cfg(feature = "cuda")]
 mod cuda {
     use crate::ops::gpu;
-    use crate::plan::paged_attention as plan;
+    use crate::plan::paged_attention::{self as plan, Block};
     use candle_core::backend::BackendStorage;
     use candle_core::{bail, CudaStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
 
     pub(super) fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> Result<Tensor> {
-        // A block a prefix cut short is a narrowed view; the kernel wants each one contiguous.
-        let blocks = blocks.iter().map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?))).collect::<Result<Vec<_>>>()?;
+        let d = q.dim(3)?;
+        // Rows of D contiguous, and keys and values laid out alike: else a copy of that block.
+        let rows = |t: &Tensor| t.stride()[3] == 1 && (t.dim(2).unwrap_or(0) == 1 || t.stride()[2] == d);
+        let blocks = blocks
+            .iter()
+            .map(|(k, v)| match rows(k) && rows(v) && k.stride()[1] == v.stride()[1] {
+                true => Ok((k.clone(), v.clone())),
+                false => Ok((k.contiguous()?, v.contiguous()?)),
+            })
+            .collect::<Result<Vec<_>>>()?;
         q.contiguous()?.apply_op1_no_bwd(&Paged { blocks, scale })
     }
 
@@ -124,15 +134,16 @@ mod cuda {
             let hkv = self.blocks[0].0.dim(1)?;
             // check_blocks made every block's dtype q's.
             let elem = gpu::elem(op, &[("q", s.dtype())])?;
-            let lens: Vec<usize> = self.blocks.iter().map(|(k, _)| k.dim(2)).collect::<Result<_>>()?;
-            let plan = plan::forward((hq, hkv, t, d), &lens, self.scale, elem)?;
+            let layout = |k: &Tensor| Ok(Block { len: k.dim(2)?, head_stride: k.stride()[1] });
+            let blocks: Vec<Block> = self.blocks.iter().map(|(k, _)| layout(k)).collect::<Result<_>>()?;
+            let plan = plan::forward((hq, hkv, t, d), &blocks, self.scale, elem)?;
             // The blocks' storages stay read-locked while the kernel's inputs borrow them.
             let locked: Vec<_> =
                 self.blocks.iter().flat_map(|(k, v)| [k.storage_and_layout(), v.storage_and_layout()]).collect();
             let mut inputs = vec![gpu::input(op, "q", (s, l))?];
             for (storage, layout) in &locked {
                 match &**storage {
-                    Storage::Cuda(c) => inputs.push(gpu::input(op, "block", (c, layout))?),
+                    Storage::Cuda(c) => inputs.push((c, layout.start_offset())),
                     _ => bail!("{op}: q is on a CUDA device and a cached block is not"),
                 }
             }

@@ -67,9 +67,26 @@ pub enum Init {
     Zeroed,
     /// Allocated but not written: a kernel of the plan writes every element before anything reads it.
     Uninit,
-    /// The device addresses of these earlier buffers (element 0 of each), as a `u64` table: how a kernel
+    /// A `u64` table of earlier buffers' device addresses and plain values, uploaded once: how a kernel
     /// reaches a number of inputs its signature cannot list (the blocks of a paged KV cache).
-    Addresses(Vec<usize>),
+    Table(Vec<Word>),
+}
+
+/// One entry of an [`Init::Table`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Word {
+    /// The device address of element 0 of buffer `.0` (an earlier buffer of the plan).
+    Address(usize),
+    Value(u64),
+}
+
+/// The table's bytes, with `address(i)` the address of buffer `i` (each executor knows its own).
+pub fn table_bytes(words: &[Word], mut address: impl FnMut(usize) -> u64) -> Vec<u8> {
+    let word = |w: &Word| match *w {
+        Word::Address(i) => address(i),
+        Word::Value(v) => v,
+    };
+    words.iter().map(word).flat_map(u64::to_le_bytes).collect()
 }
 
 /// One buffer of a plan: `len` elements of `elem`.
@@ -287,13 +304,14 @@ impl Plan {
             }
         }
         for (n, b) in self.buffers.iter().enumerate() {
-            if let Init::Addresses(of) = &b.init {
-                if b.elem != Elem::U64 || b.len != of.len() || of.iter().any(|&i| i >= n) {
+            if let Init::Table(words) = &b.init {
+                let later = words.iter().any(|w| matches!(*w, Word::Address(i) if i >= n));
+                if b.elem != Elem::U64 || b.len != words.len() || later {
                     return Err(plan_err!(
-                        "{}: address table `{}` must be {} u64 addresses of earlier buffers",
+                        "{}: table `{}` must be {} u64 words, its addresses those of earlier buffers",
                         self.op,
                         b.name,
-                        of.len()
+                        words.len()
                     ));
                 }
             }

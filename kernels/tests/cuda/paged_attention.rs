@@ -1,7 +1,7 @@
 //! GPU test of the paged attention (`cuda/paged_attention.cu`, through `ops::paged_attention` on CUDA
 //! tensors) against the same op on the CPU, from the same numbers: f32 and bf16 storage, decode rows and a
-//! few rows, GQA, a cut block (a narrowed view, as a truncated prefix leaves it) and the 3B decoder's shape
-//! over 1,283 cached keys. The CUDA op computes in f32 and the CPU op in f64; the tolerances are those of
+//! few rows, GQA, cut blocks (narrowed views, as a truncated prefix leaves them; read in place on the GPU)
+//! and the 3B decoder's shape over 41 blocks and over a 1,000-position view and a short block. The CUDA op computes in f32 and the CPU op in f64; the tolerances are those of
 //! the attention forward (`tests/common/tol.rs`).
 //!
 //! Run on a GPU machine: `cargo test -p askgui-kernels --features cuda --test cuda paged -- --nocapture`.
@@ -13,11 +13,19 @@ use candle_core::{DType, Device, Tensor};
 use crate::common::tensor;
 use crate::common::tol::{compare_tensors, BF16_ATTN, F32_ATTN};
 
-/// `(Hq, Hkv, T, D, block lengths)`; a block listed as 0 is a full block of 32 cut to 9 positions.
-fn cases() -> Vec<(usize, usize, usize, usize, Vec<usize>)> {
-    let mut long = vec![32; 40];
-    long.push(3);
-    vec![(4, 2, 1, 64, vec![32, 32, 7]), (4, 2, 3, 80, vec![32, 0]), (8, 8, 2, 17, vec![5]), (16, 2, 1, 128, long)]
+/// `(Hq, Hkv, T, D, blocks as (positions, positions of the block it is narrowed from))`.
+type Case = (usize, usize, usize, usize, Vec<(usize, usize)>);
+
+fn cases() -> Vec<Case> {
+    let mut long = vec![(32, 32); 40];
+    long.push((3, 3));
+    vec![
+        (4, 2, 1, 64, vec![(32, 32), (32, 32), (7, 7)]),
+        (4, 2, 3, 80, vec![(32, 32), (9, 32)]),
+        (8, 8, 2, 17, vec![(5, 5)]),
+        (16, 2, 1, 128, long),
+        (16, 2, 2, 128, vec![(1_000, 1_302), (9, 9)]),
+    ]
 }
 
 #[test]
@@ -29,11 +37,9 @@ fn paged_attention_on_the_gpu_matches_the_cpu() -> Result<()> {
             let seed = 100 * n as u64;
             let q = (tensor(&[1, hq, t, d], seed, dtype)? * 3.0)?;
             let mut blocks = Vec::new();
-            for (b, &len) in lens.iter().enumerate() {
-                let full = if len == 0 { 32 } else { len };
+            for (b, &(len, parent)) in lens.iter().enumerate() {
                 let kv = |s: u64| -> Result<Tensor> {
-                    let x = tensor(&[1, hkv, full, d], seed + 2 * b as u64 + s, dtype)?;
-                    Ok(if len == 0 { x.narrow(2, 0, 9)? } else { x })
+                    Ok(tensor(&[1, hkv, parent, d], seed + 2 * b as u64 + s, dtype)?.narrow(2, 0, len)?)
                 };
                 blocks.push((kv(1)?, kv(2)?));
             }
