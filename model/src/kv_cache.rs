@@ -113,8 +113,8 @@ impl Drop for Ticket {
     }
 }
 
-/// Keys and values of up to [`KV_BLOCK`] positions of one layer (all of the layer's where it is one block),
-/// `(B, Hkv, n, D)`, contiguous.
+/// Keys and values `(B, Hkv, n, D)` of one layer: up to [`KV_BLOCK`] positions, a prefill's on CUDA, or
+/// all of the layer's where it is one block. Contiguous, except a block a prefix cut short (a view).
 #[derive(Clone, Debug)]
 struct Block {
     k: Tensor,
@@ -131,8 +131,10 @@ impl Block {
 
 /// Per-layer rotated keys and values, in blocks; cloning a cache shares its blocks.
 ///
-/// On the CPU and on CUDA the blocks are [`KV_BLOCK`] positions each and decode steps of one sequence
-/// attend through them in place. A batch of sequences in one cache (`B > 1`, batched generation) on CUDA,
+/// On the CPU and on CUDA decode steps of one sequence attend through the blocks in place. On the CPU
+/// every block holds up to [`KV_BLOCK`] positions; on CUDA a prefill's positions past the last block's room
+/// stay one block (each block is a kernel launch to copy), and the positions decoded after it fill
+/// [`KV_BLOCK`]s. A batch of sequences in one cache (`B > 1`, batched generation) on CUDA,
 /// and any cache on other devices, keeps each layer as one block that every append replaces by a longer
 /// copy, as a plain cache would: their attention wants one tensor, and concatenating dozens of blocks per
 /// layer and step would cost a kernel launch each. Such a block holds tickets for the [`KV_BLOCK`]s its
@@ -208,7 +210,8 @@ impl KvCache {
     }
 
     /// Appends layer `i`'s new keys and values `(B, Hkv, T, D)`: the last block is filled up to
-    /// [`KV_BLOCK`] (a new tensor: whoever shares the old one keeps it), then new blocks take the rest.
+    /// [`KV_BLOCK`] (a new tensor: whoever shares the old one keeps it), then new blocks take the rest
+    /// ([`KV_BLOCK`]s on the CPU, one block on CUDA).
     pub(crate) fn append(&mut self, i: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let batched_gpu = !k.device().is_cpu() && k.dim(0)? > 1;
         if self.whole || !paged_device(k.device()) || batched_gpu {
@@ -230,12 +233,15 @@ impl KvCache {
                 at = m;
             }
         }
+        // On a GPU each block is a copy kernel to launch: the rest of a prefill stays one block, with the
+        // tickets of the KV_BLOCKs it fills (the paged kernel takes blocks of any length).
+        let split = k.device().is_cpu();
         while at < t {
-            let m = KV_BLOCK.min(t - at);
+            let m = if split { KV_BLOCK.min(t - at) } else { t - at };
             let block = Block {
                 k: k.narrow(2, at, m)?.contiguous()?,
                 v: v.narrow(2, at, m)?.contiguous()?,
-                _ticket: self.ticket(1)?,
+                _ticket: self.ticket(m.div_ceil(KV_BLOCK))?,
             };
             self.layers[i].push(block);
             at += m;
