@@ -100,7 +100,8 @@ impl Drop for Reservation {
     }
 }
 
-/// A block's place in its pool (a whole layer's worth on a GPU, see [`KvCache`]), given back on drop.
+/// A block's place in its pool (several [`KV_BLOCK`]s' worth for a longer block, see [`KvCache`]), given
+/// back on drop.
 #[derive(Debug)]
 struct Ticket {
     pool: Arc<KvPool>,
@@ -144,20 +145,38 @@ pub struct KvCache {
     layers: Vec<Vec<Block>>,
     /// The pool new blocks come from (none: an unbounded pool of this cache's own).
     pool: Option<Arc<KvPool>>,
+    /// How appends lay out the positions.
+    layout: Layout,
+}
+
+/// How a cache's appends lay out the positions of a layer.
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// As the device wants (see [`KvCache`]).
+    #[default]
+    Device,
+    /// A prefill's positions past the last block's room as one block, as on CUDA, on any device.
+    Unsplit,
     /// One block per layer whatever the device (what caches do where attention cannot read blocks).
-    whole: bool,
+    Whole,
 }
 
 impl KvCache {
     /// An empty cache whose blocks count against `pool`.
     pub fn in_pool(pool: Arc<KvPool>) -> Self {
-        Self { layers: Vec::new(), pool: Some(pool), whole: false }
+        Self { layers: Vec::new(), pool: Some(pool), layout: Layout::Device }
     }
 
     /// [`Self::in_pool`] with one block per layer, as on devices without the paged attention, on any
     /// device (to test that layout on a machine without a GPU).
     pub fn whole_in_pool(pool: Arc<KvPool>) -> Self {
-        Self { whole: true, ..Self::in_pool(pool) }
+        Self { layout: Layout::Whole, ..Self::in_pool(pool) }
+    }
+
+    /// [`Self::in_pool`] with a prefill's positions kept as one block, as on CUDA, on any device (to test
+    /// that layout on a machine without a GPU).
+    pub fn unsplit_in_pool(pool: Arc<KvPool>) -> Self {
+        Self { layout: Layout::Unsplit, ..Self::in_pool(pool) }
     }
 
     /// Number of cached positions (0 when empty).
@@ -193,7 +212,7 @@ impl KvCache {
                 Ok(kept)
             })
             .collect::<Result<_>>()?;
-        Ok(Self { layers, pool: self.pool.clone(), whole: self.whole })
+        Ok(Self { layers, pool: self.pool.clone(), layout: self.layout })
     }
 
     /// Bytes held by the keys and values (blocks shared with other caches included).
@@ -213,8 +232,13 @@ impl KvCache {
     /// [`KV_BLOCK`] (a new tensor: whoever shares the old one keeps it), then new blocks take the rest
     /// ([`KV_BLOCK`]s on the CPU, one block on CUDA).
     pub(crate) fn append(&mut self, i: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let batched_gpu = !k.device().is_cpu() && k.dim(0)? > 1;
-        if self.whole || !paged_device(k.device()) || batched_gpu {
+        let dev = k.device();
+        let whole = match self.layout {
+            Layout::Whole => true,
+            // A batch in one cache (B > 1) off the CPU: the paged kernel takes one sequence.
+            _ => !paged_device(dev) || (!dev.is_cpu() && k.dim(0)? > 1),
+        };
+        if whole {
             return self.append_whole(i, k, v);
         }
         let t = k.dim(2)?;
@@ -235,7 +259,7 @@ impl KvCache {
         }
         // On a GPU each block is a copy kernel to launch: the rest of a prefill stays one block, with the
         // tickets of the KV_BLOCKs it fills (the paged kernel takes blocks of any length).
-        let split = k.device().is_cpu();
+        let split = self.layout == Layout::Device && dev.is_cpu();
         while at < t {
             let m = if split { KV_BLOCK.min(t - at) } else { t - at };
             let block = Block {

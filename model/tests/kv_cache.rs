@@ -70,6 +70,13 @@ fn whole_layer_caches_decode_as_full_forwards() {
     forks_and_shared_prefixes(KvCache::whole_in_pool);
 }
 
+/// The same with a prefill's positions as one block (the layout of CUDA caches): A's 100 positions are one
+/// block, B's prefix a 70-position view of it.
+#[test]
+fn unsplit_prefill_caches_decode_as_full_forwards() {
+    forks_and_shared_prefixes(KvCache::unsplit_in_pool);
+}
+
 fn forks_and_shared_prefixes(new_cache: fn(std::sync::Arc<KvPool>) -> KvCache) {
     let m = model();
     let pool = KvPool::new(0);
@@ -185,4 +192,25 @@ fn a_full_pool_refuses_new_blocks_and_recovers() {
     let mut c = KvCache::in_pool(pool.clone());
     step(&m, &mut [&mut c], &[&ids(5, KV_BLOCK)]);
     assert_eq!(pool.blocks_in_use(), layers, "the pool serves again");
+}
+
+/// A prefill kept as one block (as on CUDA) holds a ticket for each [`KV_BLOCK`] its positions fill; forks
+/// and cut prefixes share it and put their next positions in blocks of their own, never copying it.
+#[test]
+fn unsplit_prefills_count_their_positions_and_are_never_copied() {
+    let m = model();
+    let layers = m.cfg.text.num_hidden_layers;
+    let pool = KvPool::new(0);
+    let mut a = KvCache::unsplit_in_pool(pool.clone());
+    step(&m, &mut [&mut a], &[&ids(7, 3 * KV_BLOCK + 4)]);
+    assert_eq!(pool.blocks_in_use(), 4 * layers, "one block of four KV_BLOCKs' tickets per layer");
+    // 30 more positions: in 32-position blocks they would fill A's partial block (a copy) and start another.
+    let mut b = a.clone();
+    step(&m, &mut [&mut b], &[&ids(8, KV_BLOCK - 2)]);
+    assert_eq!(pool.blocks_in_use(), 5 * layers, "a fork's next positions start a block; the prefill is shared");
+    let mut c = a.truncated(2 * KV_BLOCK + 6).unwrap();
+    step(&m, &mut [&mut c], &[&[6]]);
+    assert_eq!(pool.blocks_in_use(), 6 * layers, "so does a cut prefix's, read in place");
+    drop((a, b, c));
+    assert_eq!(pool.blocks_in_use(), 0);
 }
