@@ -102,8 +102,12 @@ mod cuda {
 
     pub(super) fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> Result<Tensor> {
         let d = q.dim(3)?;
-        // Rows of D contiguous, and keys and values laid out alike: else a copy of that block.
-        let rows = |t: &Tensor| t.stride()[3] == 1 && (t.dim(2).unwrap_or(0) == 1 || t.stride()[2] == d);
+        // Rows of D contiguous and heads apart (a block narrowed along its positions is), keys and values
+        // laid out alike: else a copy of that block.
+        let rows = |t: &Tensor| {
+            let (s, n) = (t.stride(), t.dim(2).unwrap_or(0));
+            s[3] == 1 && (n == 1 || s[2] == d) && s[1] >= n * d
+        };
         let blocks = blocks
             .iter()
             .map(|(k, v)| match rows(k) && rows(v) && k.stride()[1] == v.stride()[1] {
