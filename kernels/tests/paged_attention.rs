@@ -36,12 +36,16 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> (f32, f32) {
     (diff, scale)
 }
 
-/// f32: the same sums in another order (f64 here, f32 in the reference's matmuls): within 1e-6 of the
+/// f32: the same sums in another order and blocking (an online softmax here): within 1e-6 of the
 /// output's scale.
 #[test]
 fn paged_attention_matches_the_concatenated_reference() {
-    let cases: [(usize, usize, usize, usize, &[usize]); 5] = [
+    let cases: [(usize, usize, usize, usize, &[usize]); 7] = [
         (4, 2, 1, 16, &[64, 64, 17]),
+        // A serving prompt's length: the online softmax over several steps of 128 keys, a block that ends
+        // inside a step, and 6 rows (two groups of query rows) whose last keys differ.
+        (4, 2, 6, 16, &[1384, 5, 3]),
+        (2, 1, 1, 24, &[300]),
         (4, 2, 3, 16, &[64, 5]),
         (2, 2, 1, 8, &[1]),
         (6, 1, 2, 32, &[64, 64, 64, 1]),

@@ -10,10 +10,12 @@
 //! would have to copy it too. Blocks are shared by reference instead ([`askgui_model`'s `KvCache`]), and
 //! this op reads them where they are.
 //!
-//! How: one task per query head and row (rayon); scores `scale q . k_j` (f64 dot products in eight partial
-//! sums, kept in f32) over the visible keys of every block, `exp` vectorised in f32 ([`exp_shifted_f32`])
-//! with the sum in f64, `sum p_j v_j` in f64, rounded to the storage dtype once. No
-//! GEMM: it is meant for decoding (a few rows); prefills concatenate and take [`super::attention()`].
+//! How: one task per query head (rayon), its rows four at a time so that they share each key and value
+//! read; an online softmax over steps of 128 keys (scores in L1): scores `(scale q) . k_j` as f32 dot
+//! products in 16 partial sums, `exp` vectorised in f32 ([`exp_shifted_f32`]), the step's `sum p_j v_j`
+//! in f32 registers, and the running sums, rescaled at each step, in f64; rounded to the storage dtype
+//! once. No GEMM: it is meant for decoding (a few rows); prefills concatenate and take
+//! [`super::attention()`].
 //! bf16 blocks are widened to f32 one block at a time. On CUDA tensors (feature `cuda`) the same call runs
 //! `cuda/paged_attention.cu` through its launch plan (`crate::plan::paged_attention`), all in f32.
 //!
@@ -21,7 +23,7 @@
 //! cpu-exec --test emu paged` (the CUDA kernel, executed on the CPU, against the CPU op), and on a GPU
 //! `--features cuda --test cuda paged`.
 
-use super::exp::{exp_shifted_f32, split_shift};
+use super::exp::exp_shifted_f32;
 use super::f32_slice;
 use crate::attention::{attention_reference, AttentionMask};
 use candle_core::{bail, DType, Device, Layout, Result, Storage, StorageRef, Tensor};
@@ -53,39 +55,14 @@ pub fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> R
     let values: Vec<_> = blocks.iter().map(|(_, v)| v.storage_and_layout()).collect();
     let (ks, vs) = (widened(&keys)?, widened(&values)?);
     let rep = hq / hkv;
+    let src = Source { keys: &ks, values: &vs, lens: &lens, d };
     let mut out = vec![0f32; hq * t * d];
-    out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
-        let (h, i) = (row / t, row % t);
-        let g = h / rep;
-        let qr = &q32[row * d..][..d];
-        let visible = total - t + i + 1;
-        // Scores of the visible keys, block by block: key j of block `n` is row j of head g there.
-        let mut s: Vec<f32> = Vec::with_capacity(visible);
-        for (kb, &n) in ks.iter().zip(&lens) {
-            let take = n.min(visible - s.len());
-            s.extend((0..take).map(|j| (scale * dot(qr, &kb[(g * n + j) * d..][..d])) as f32));
-            if s.len() == visible {
-                break;
-            }
+    // One task per query head: its T rows, of which row i sees the first `total - t + i + 1` keys.
+    out.par_chunks_mut(t * d).enumerate().for_each(|(h, o)| {
+        let rows: Vec<f32> = q32[h * t * d..][..t * d].iter().map(|&x| x * scale as f32).collect();
+        for (r0, (qr, or)) in rows.chunks(ROWS * d).zip(o.chunks_mut(ROWS * d)).enumerate() {
+            head_rows(&src, h / rep, qr, total - t + r0 * ROWS + 1, or);
         }
-        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let (hi, lo) = split_shift(m as f64);
-        exp_shifted_f32(&mut s, hi, lo);
-        let l = sum(&s);
-        let mut acc = vec![0f64; d];
-        let mut j0 = 0;
-        for (vb, &n) in vs.iter().zip(&lens) {
-            let take = n.min(visible - j0);
-            for (j, &p) in s[j0..j0 + take].iter().enumerate() {
-                let vr = &vb[(g * n + j) * d..][..d];
-                acc.iter_mut().zip(vr).for_each(|(a, &x)| *a += p as f64 * x as f64);
-            }
-            j0 += take;
-            if j0 == visible {
-                break;
-            }
-        }
-        o.iter_mut().zip(&acc).for_each(|(o, a)| *o = (a / l) as f32);
     });
     // (Hq * T * D) -> (1, Hq, T, D)
     Tensor::from_vec(out, (1, hq, t, d), &Device::Cpu)?.to_dtype(q.dtype())
@@ -203,27 +180,207 @@ fn widened<'a>(locked: &'a [(StorageRef<'a>, &'a Layout)]) -> Result<Vec<Cow<'a,
         .collect()
 }
 
-/// Independent partial sums, so that the reductions vectorise (a chain of dependent f64 additions cannot
-/// be reordered by the compiler).
-const LANES: usize = 8;
+/// Query rows that share each key and value read.
+const ROWS: usize = 4;
+/// Keys per step of the online softmax: their scores stay in L1.
+const KEYS: usize = 128;
+/// Lanes of the dot products' partial sums (one AVX-512 register of f32).
+const LANES: usize = 16;
 
-/// `a . b` in f64, in [`LANES`] partial sums.
-fn dot(a: &[f32], b: &[f32]) -> f64 {
-    let mut lanes = [0f64; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f64 = ca.remainder().iter().zip(cb.remainder()).map(|(&x, &y)| x as f64 * y as f64).sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..LANES {
-            lanes[l] += x[l] as f64 * y[l] as f64;
-        }
-    }
-    lanes.iter().sum::<f64>() + tail
+/// One kv head's cache, block by block, as f32 rows of `d`: key `j` of block `b` for head `g` is row
+/// `g * lens[b] + j` of `keys[b]`.
+struct Source<'a> {
+    keys: &'a [Cow<'a, [f32]>],
+    values: &'a [Cow<'a, [f32]>],
+    lens: &'a [usize],
+    d: usize,
 }
 
-/// The sum of `xs` in f64, in [`LANES`] partial sums.
-fn sum(xs: &[f32]) -> f64 {
-    let mut lanes = [0f64; LANES];
+/// Attention of up to [`ROWS`] query rows `q (n, d)` (already scaled) of kv head `g`: row `r` sees the
+/// first `visible + r` keys. Writes `out (n, d)`.
+fn head_rows(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX-512F and FMA, checked just above.
+        return unsafe { head_rows_avx512(src, g, q, visible, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA, checked just above.
+        return unsafe { head_rows_avx2(src, g, q, visible, out) };
+    }
+    head_rows_plain(src, g, q, visible, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn head_rows_avx512(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32]) {
+    head_rows_with(src, g, q, visible, out, |a, b| dot_avx512(a, b))
+}
+
+/// [`dot`] with one 16-lane register of partial sums for `a.len() % 16 == 0` (the compiler splits
+/// [`dot`]'s array into pairs), else [`dot`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    if !a.len().is_multiple_of(16) {
+        return dot(a, b);
+    }
+    let mut acc = _mm512_setzero_ps();
+    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+        // SAFETY: both chunks hold 16 f32.
+        let (x, y) = unsafe { (_mm512_loadu_ps(x.as_ptr()), _mm512_loadu_ps(y.as_ptr())) };
+        acc = _mm512_fmadd_ps(x, y, acc);
+    }
+    _mm512_reduce_add_ps(acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn head_rows_avx2(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32]) {
+    head_rows_plain(src, g, q, visible, out)
+}
+
+/// [`head_rows`] as plain loops (fused multiply-adds, so every build gives the same bits): an online
+/// softmax over steps of [`KEYS`] keys. Scores and the step's `sum p v` in f32; the running sums, rescaled
+/// at each step, in f64.
+#[inline(always)]
+fn head_rows_plain(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32]) {
+    head_rows_with(src, g, q, visible, out, dot)
+}
+
+/// [`head_rows_plain`] with the dot product `dot`.
+#[inline(always)]
+fn head_rows_with(
+    src: &Source,
+    g: usize,
+    q: &[f32],
+    visible: usize,
+    out: &mut [f32],
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+) {
+    let d = src.d;
+    let n = q.len() / d;
+    let (mut m, mut l) = ([f32::NEG_INFINITY; ROWS], [0f64; ROWS]);
+    let mut acc = vec![0f64; n * d];
+    let (mut s, mut part) = ([[0f32; KEYS]; ROWS], vec![0f32; d]);
+    let last = visible + n - 1;
+    let mut j0 = 0;
+    for ((kb, vb), &len) in src.keys.iter().zip(src.values).zip(src.lens) {
+        let (kb, vb) = (&kb[g * len * d..][..len * d], &vb[g * len * d..][..len * d]);
+        for c in (0..len.min(last - j0)).step_by(KEYS) {
+            let keys = KEYS.min(len.min(last - j0) - c);
+            for (r, sr) in s.iter_mut().enumerate().take(n) {
+                let qr = &q[r * d..][..d];
+                for (j, k) in kb[c * d..][..keys * d].chunks_exact(d).enumerate() {
+                    sr[j] = dot(qr, k);
+                }
+            }
+            for r in 0..n {
+                // Keys j0 + c + j with j < seen are visible to row r.
+                let seen = (visible + r).saturating_sub(j0 + c).min(keys);
+                if seen == 0 {
+                    continue;
+                }
+                let p = &mut s[r][..seen];
+                let m_new = max(p).max(m[r]);
+                let rescale = ((m[r] - m_new) as f64).exp();
+                exp_shifted_f32(p, m_new, 0.0);
+                weighted_values(p, &vb[c * d..], &mut part);
+                l[r] = l[r] * rescale + sum(p);
+                acc[r * d..][..d].iter_mut().zip(&part).for_each(|(a, &x)| *a = *a * rescale + x as f64);
+                m[r] = m_new;
+            }
+        }
+        j0 += len;
+        if j0 >= last {
+            break;
+        }
+    }
+    for r in 0..n {
+        out[r * d..][..d].iter_mut().zip(&acc[r * d..][..d]).for_each(|(o, &a)| *o = (a / l[r]) as f32);
+    }
+}
+
+/// `out (d) = sum_j p_j v_j` over the rows `v_j` of `values (.., d)`, [`LANES`] columns at a time in a
+/// fixed-size array, so that the sums stay in registers.
+#[inline(always)]
+fn weighted_values(p: &[f32], values: &[f32], out: &mut [f32]) {
+    let d = out.len();
+    let mut o = out.chunks_exact_mut(LANES);
+    let row = |j: usize, c: usize| -> &[f32; LANES] { values[j * d + c * LANES..][..LANES].try_into().expect("LANES") };
+    for (c, o) in o.by_ref().enumerate() {
+        // Four independent sums (keys j mod 4), so that the adds do not wait on each other.
+        let mut lanes = [[0f32; LANES]; 4];
+        let whole = p.len() / 4 * 4;
+        for j in (0..whole).step_by(4) {
+            for (u, sum) in lanes.iter_mut().enumerate() {
+                let v = row(j + u, c);
+                for l in 0..LANES {
+                    sum[l] = p[j + u].mul_add(v[l], sum[l]);
+                }
+            }
+        }
+        for (j, &pj) in p.iter().enumerate().skip(whole) {
+            let v = row(j, c);
+            for l in 0..LANES {
+                lanes[0][l] = pj.mul_add(v[l], lanes[0][l]);
+            }
+        }
+        for l in 0..LANES {
+            o[l] = (lanes[0][l] + lanes[1][l]) + (lanes[2][l] + lanes[3][l]);
+        }
+    }
+    let rest = o.into_remainder();
+    let c0 = d - rest.len();
+    rest.fill(0.0);
+    for (j, &pj) in p.iter().enumerate() {
+        rest.iter_mut().zip(&values[j * d + c0..][..d - c0]).for_each(|(a, &x)| *a = pj.mul_add(x, *a));
+    }
+}
+
+/// `a . b` in f32, in [`LANES`] partial sums (fused multiply-adds) added in a fixed tree.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail = ca.remainder().iter().zip(cb.remainder()).fold(0f32, |t, (&x, &y)| x.mul_add(y, t));
+    for (x, y) in ca.zip(cb) {
+        let (x, y): (&[f32; LANES], &[f32; LANES]) = (x.try_into().expect("LANES"), y.try_into().expect("LANES"));
+        for l in 0..LANES {
+            lanes[l] = x[l].mul_add(y[l], lanes[l]);
+        }
+    }
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            lanes[l] += lanes[l + w];
+        }
+    }
+    lanes[0] + tail
+}
+
+/// The largest of `xs` (not empty, no NaN), in [`LANES`] partial maxima (a chain of `f32::max` waits on
+/// each result).
+#[inline(always)]
+fn max(xs: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = xs.chunks_exact(LANES);
+    let tail = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for c in chunks {
+        lanes.iter_mut().zip(c).for_each(|(l, &x)| *l = if x > *l { x } else { *l });
+    }
+    lanes.iter().copied().fold(tail, f32::max)
+}
+
+/// The sum of `xs` in f64, in eight partial sums (a chain of dependent f64 additions cannot be reordered
+/// by the compiler).
+#[inline(always)]
+fn sum(xs: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let chunks = xs.chunks_exact(8);
     let tail: f64 = chunks.remainder().iter().map(|&x| x as f64).sum();
     for c in chunks {
         lanes.iter_mut().zip(c).for_each(|(l, &x)| *l += x as f64);
