@@ -130,8 +130,7 @@ pub fn generate(
     let feats = if images.is_empty() {
         None
     } else {
-        let pv: Vec<Tensor> = images.iter().map(|i| i.pixel_tensor(dev)).collect::<Result<_>>()?;
-        Some(model.image_features(&Tensor::cat(&pv, 0)?, &grids)?)
+        Some(model.image_features(&crate::image::pixel_rows(&images, dev)?, &grids)?)
     };
     timings.vision_s = t0.elapsed().as_secs_f64();
 

@@ -119,9 +119,21 @@ impl ProcessedImage {
     }
 
     pub fn pixel_tensor(&self, device: &Device) -> Result<Tensor> {
-        let rows = self.grid_thw.iter().product::<usize>();
-        Ok(Tensor::from_slice(&self.pixel_values, (rows, self.pixel_values.len() / rows.max(1)), device)?)
+        pixel_rows(&[self], device)
     }
+}
+
+/// The pixel rows of `images` back to back, `(sum P_i, patch_dim)`, copied once (a 640x480 screenshot is
+/// 7 MB of f32): the vision tower's input for a batch.
+pub fn pixel_rows(images: &[&ProcessedImage], device: &Device) -> Result<Tensor> {
+    let rows: usize = images.iter().map(|i| i.grid_thw.iter().product::<usize>()).sum();
+    let mut pixels = Vec::with_capacity(images.iter().map(|i| i.pixel_values.len()).sum());
+    images.iter().for_each(|i| pixels.extend_from_slice(&i.pixel_values));
+    let dim = pixels.len() / rows.max(1);
+    if pixels.len() != rows * dim {
+        return Err(ModelError::Generation(format!("{} pixel values do not fill {rows} patch rows", pixels.len())));
+    }
+    Ok(Tensor::from_vec(pixels, (rows, dim), device)?)
 }
 
 /// Decodes an image file (PNG, JPEG) to RGB8, refusing images above `max_input_pixels`.
@@ -276,6 +288,26 @@ mod tests {
         assert_eq!(batch.grid_thw, single.iter().map(|p| p.grid_thw).collect::<Vec<_>>());
         assert_eq!(batch.resized, single.iter().map(|p| p.resized).collect::<Vec<_>>());
         assert!(matches!(preprocess_batch(&[], &cfg, &Device::Cpu), Err(ModelError::Tiling { .. })));
+        Ok(())
+    }
+
+    #[test]
+    fn pixel_rows_stack_images_and_refuse_a_ragged_one() -> Result<()> {
+        let img = |grid: [usize; 3], dim: usize, v0: f32| ProcessedImage {
+            pixel_values: (0..grid.iter().product::<usize>() * dim).map(|i| v0 + i as f32).collect(),
+            grid_thw: grid,
+            original: (1, 1),
+            resized: (1, 1),
+        };
+        let (a, b) = (img([1, 2, 2], 3, 0.0), img([1, 2, 4], 3, 100.0));
+        let rows = pixel_rows(&[&a, &b], &Device::Cpu)?;
+        assert_eq!(rows.dims(), &[12, 3]);
+        let want: Vec<f32> = a.pixel_values.iter().chain(&b.pixel_values).copied().collect();
+        assert_eq!(rows.flatten_all()?.to_vec1::<f32>()?, want);
+        let mut ragged = img([1, 2, 2], 3, 0.0);
+        ragged.pixel_values.pop();
+        let err = pixel_rows(&[&a, &ragged], &Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("do not fill 8 patch rows"), "{err}");
         Ok(())
     }
 }

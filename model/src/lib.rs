@@ -40,7 +40,9 @@ pub use config::{Arch, ModelConfig};
 pub use device::{bind_thread, pin_cpu_threads, DTypeChoice, DeviceKind, KernelChoice, LoadOptions, Quantize};
 pub use error::{ModelError, Result};
 pub use generate::{generate, FinishReason, Generation, Prompt, SamplingParams, Timings};
-pub use image::{load_image, preprocess, preprocess_batch, ImageProcessorConfig, PreprocessedBatch, ProcessedImage};
+pub use image::{
+    load_image, pixel_rows, preprocess, preprocess_batch, ImageProcessorConfig, PreprocessedBatch, ProcessedImage,
+};
 pub use kv_cache::{KvCache, KvPool, Reservation, KV_BLOCK};
 pub use model::{mrope_positions, Qwen2Vl};
 pub use peft::{AdapterLayout, LoraConfig};

@@ -111,13 +111,11 @@ impl Packed {
 
     /// One vision forward over `images`; their features `(tokens_i, H)`, in order.
     fn encode(&self, images: &[&PreparedImage]) -> Result<Vec<Tensor>> {
-        let pixels = images
-            .iter()
-            .map(|(_, img)| img.pixel_tensor(&self.model.device))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
         let grids: Vec<[usize; 3]> = images.iter().map(|(_, img)| img.grid_thw).collect();
+        let pixels =
+            askgui_model::pixel_rows(&images.iter().map(|(_, img)| &**img).collect::<Vec<_>>(), &self.model.device)?;
         // (sum P_i, patch_dim) -> (sum P_i / merge^2, H), image after image
-        let all = self.model.image_features(&Tensor::cat(&pixels, 0)?, &grids)?;
+        let all = self.model.image_features(&pixels, &grids)?;
         let merge = self.model.cfg.vision.spatial_merge_size;
         let mut start = 0;
         let mut out = Vec::with_capacity(images.len());

@@ -27,7 +27,7 @@ use askgui_data::prompt::{ChatMessage, Part};
 use askgui_data::{episode_samples, read_episodes, render_chatml, LoadedEpisode, PromptConfig, TaskMode};
 use askgui_model::{load_image, preprocess, ImageProcessorConfig, QwenTokenizer, TrainExample};
 use askgui_runtime::encode_chat;
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -464,7 +464,7 @@ fn drop_oldest_history(messages: &mut [ChatMessage]) -> bool {
 
 /// Decodes and preprocesses a sample's screenshots into a [`TrainExample`].
 pub fn example(s: &PreparedSample, cfg: &ImageProcessorConfig, device: &Device) -> Result<TrainExample> {
-    let mut pixels = Vec::with_capacity(s.images.len());
+    let mut images = Vec::with_capacity(s.images.len());
     for (p, grid) in s.images.iter().zip(&s.grids) {
         let img = preprocess(&load_image(p, cfg.max_input_pixels)?, cfg)?;
         if img.grid_thw != *grid {
@@ -474,9 +474,12 @@ pub fn example(s: &PreparedSample, cfg: &ImageProcessorConfig, device: &Device) 
                 img.grid_thw
             )));
         }
-        pixels.push(img.pixel_tensor(device)?);
+        images.push(img);
     }
-    let pixel_values = if pixels.is_empty() { None } else { Some(Tensor::cat(&pixels, 0)?) };
+    let pixel_values = match images.is_empty() {
+        true => None,
+        false => Some(askgui_model::pixel_rows(&images.iter().collect::<Vec<_>>(), device)?),
+    };
     Ok(TrainExample {
         ids: s.ids.clone(),
         labels_mask: s.labels_mask.clone(),
