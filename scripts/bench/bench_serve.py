@@ -31,6 +31,7 @@ Output: one JSON line on stdout; progress on stderr. Run with the venv that has 
     python scripts/bench/bench_serve.py [--requests 48] [--max-tokens 24] [--concurrency 1,16] \
         [--width 640 --height 480] [--attn sdpa|eager] [--threads 2] \
         [--binary target/release/askgui-serve] [--model model/tests/fixtures/tiny-qwen2_5_vl] [--port PORT]
+        [--askgui-only]
 
 The server is stopped before transformers runs, so the two never share the CPU.
 """
@@ -283,6 +284,11 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=lt.DEFAULT_MODEL)
     ap.add_argument("--port", type=int, default=None, help="default: a free port")
     ap.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    ap.add_argument(
+        "--askgui-only",
+        action="store_true",
+        help="skip transformers: for A/B runs of two askgui-serve builds (--binary), each side's figures only",
+    )
     args = ap.parse_args()
 
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -292,6 +298,9 @@ def main() -> int:
     t0 = time.monotonic()
     ask, usage = askgui_side(args, pngs_by_c)
     t1 = time.monotonic()
+    if args.askgui_only:
+        print(json.dumps({"askgui": ask, "server_usage": usage, "seconds": round(t1 - t0, 1)}), flush=True)
+        return 0
     hf = hf_side(args, pngs_by_c, usage)
     t2 = time.monotonic()
     result = {
