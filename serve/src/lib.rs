@@ -24,6 +24,7 @@ pub mod agent_routes;
 pub mod backend;
 pub mod batcher;
 pub mod config;
+pub mod cpu;
 pub mod drain;
 pub mod engine;
 pub mod error;

@@ -29,6 +29,7 @@ fn load_model(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
 
 fn main() -> anyhow::Result<()> {
     askgui_model::pin_cpu_threads();
+    askgui_serve::cpu::tune_for_serving();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,actix_server=warn".into()),
