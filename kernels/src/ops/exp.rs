@@ -11,6 +11,9 @@
 //! NaN stays NaN.
 //! Only `x <= 0` is supported: a softmax takes `exp(s - max)` and `exp(s - lse)`.
 
+/// Lanes of the softmax row helpers ([`max`], [`exp_sum`]): one AVX-512 register of f32.
+const LANES: usize = 16;
+
 /// The bound the tests hold [`exp_f32`] to, against f64 `exp`: one ulp of f32 at 1 (measured: 9.5e-8).
 pub const MAX_REL_ERR: f64 = f32::EPSILON as f64;
 
@@ -99,6 +102,40 @@ unsafe fn exp_shifted_avx512(xs: &mut [f32], hi: f32, lo: f32) {
 pub fn split_shift(shift: f64) -> (f32, f32) {
     let hi = shift as f32;
     (hi, (shift - hi as f64) as f32)
+}
+
+/// The largest element (NaN ignored, as `f32::max`), in [`LANES`] lanes: a softmax row's shift.
+#[inline(always)]
+pub(crate) fn max(xs: &[f32]) -> f32 {
+    let pick = |m: f32, x: f32| if x > m { x } else { m };
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &x| pick(m, x));
+    for c in chunks {
+        lanes.iter_mut().zip(c).for_each(|(m, &x)| *m = pick(*m, x));
+    }
+    lanes.into_iter().fold(tail, pick)
+}
+
+/// Elements summed in f32 lanes before their sum joins the f64 total: each lane adds [`SUM_BLOCK`] / 16
+/// terms in f32 (relative error below 16 ulps), and the blocks add up in f64.
+const SUM_BLOCK: usize = 256;
+
+/// `xs[i] = e^(xs[i] - m)` (with [`exp_f32_fma`]) and their sum, block by block while the block is in L1.
+#[inline(always)]
+pub(crate) fn exp_sum(xs: &mut [f32], m: f32) -> f64 {
+    let mut total = 0f64;
+    for block in xs.chunks_mut(SUM_BLOCK) {
+        block.iter_mut().for_each(|x| *x = exp_f32_fma(*x - m));
+        let mut lanes = [0f32; LANES];
+        let chunks = block.chunks_exact(LANES);
+        let tail: f32 = chunks.remainder().iter().sum();
+        for c in chunks {
+            lanes.iter_mut().zip(c).for_each(|(l, &x)| *l += x);
+        }
+        total += lanes.iter().map(|&l| l as f64).sum::<f64>() + tail as f64;
+    }
+    total
 }
 
 #[cfg(test)]

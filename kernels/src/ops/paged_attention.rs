@@ -12,7 +12,7 @@
 //!
 //! How: one task per query head (rayon), its rows four at a time so that they share each key and value
 //! read; an online softmax over steps of 128 keys (scores in L1): scores `(scale q) . k_j` as f32 dot
-//! products in 16 partial sums, `exp` vectorised in f32 ([`exp_shifted_f32`]), the step's `sum p_j v_j`
+//! products in 16 partial sums, `exp` vectorised in f32 ([`exp_sum`]), the step's `sum p_j v_j`
 //! in f32 registers, and the running sums, rescaled at each step, in f64; rounded to the storage dtype
 //! once. No GEMM: it is meant for decoding (a few rows); prefills concatenate and take
 //! [`super::attention()`].
@@ -23,7 +23,7 @@
 //! cpu-exec --test emu paged` (the CUDA kernel, executed on the CPU, against the CPU op), and on a GPU
 //! `--features cuda --test cuda paged`.
 
-use super::exp::exp_shifted_f32;
+use super::exp::{exp_sum, max};
 use super::f32_slice;
 use crate::attention::{attention_reference, AttentionMask};
 use candle_core::{bail, DType, Device, Layout, Result, Storage, StorageRef, Tensor};
@@ -209,7 +209,7 @@ fn head_rows(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32])
         // SAFETY: the CPU has AVX2 and FMA, checked just above.
         return unsafe { head_rows_avx2(src, g, q, visible, out) };
     }
-    head_rows_plain(src, g, q, visible, out)
+    head_rows_with(src, g, q, visible, out, dot)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -239,18 +239,12 @@ fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn head_rows_avx2(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32]) {
-    head_rows_plain(src, g, q, visible, out)
-}
-
-/// [`head_rows`] as plain loops (fused multiply-adds, so every build gives the same bits): an online
-/// softmax over steps of [`KEYS`] keys. Scores and the step's `sum p v` in f32; the running sums, rescaled
-/// at each step, in f64.
-#[inline(always)]
-fn head_rows_plain(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32]) {
     head_rows_with(src, g, q, visible, out, dot)
 }
 
-/// [`head_rows_plain`] with the dot product `dot`.
+/// [`head_rows`] with the dot product `dot`: an online softmax over steps of [`KEYS`] keys. Scores and the
+/// step's `sum p v` in f32 (fused multiply-adds); the running sums, rescaled at each step, in f64. The
+/// builds differ only in the dot product's order of additions (within the tests' 1e-6 of scale).
 #[inline(always)]
 fn head_rows_with(
     src: &Source,
@@ -269,8 +263,9 @@ fn head_rows_with(
     let mut j0 = 0;
     for ((kb, vb), &len) in src.keys.iter().zip(src.values).zip(src.lens) {
         let (kb, vb) = (&kb[g * len * d..][..len * d], &vb[g * len * d..][..len * d]);
-        for c in (0..len.min(last - j0)).step_by(KEYS) {
-            let keys = KEYS.min(len.min(last - j0) - c);
+        let stop = len.min(last - j0);
+        for c in (0..stop).step_by(KEYS) {
+            let keys = KEYS.min(stop - c);
             for (r, sr) in s.iter_mut().enumerate().take(n) {
                 let qr = &q[r * d..][..d];
                 for (j, k) in kb[c * d..][..keys * d].chunks_exact(d).enumerate() {
@@ -286,9 +281,9 @@ fn head_rows_with(
                 let p = &mut s[r][..seen];
                 let m_new = max(p).max(m[r]);
                 let rescale = ((m[r] - m_new) as f64).exp();
-                exp_shifted_f32(p, m_new, 0.0);
+                let step_sum = exp_sum(p, m_new);
                 weighted_values(p, &vb[c * d..], &mut part);
-                l[r] = l[r] * rescale + sum(p);
+                l[r] = l[r] * rescale + step_sum;
                 acc[r * d..][..d].iter_mut().zip(&part).for_each(|(a, &x)| *a = *a * rescale + x as f64);
                 m[r] = m_new;
             }
@@ -360,30 +355,4 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     lanes[0] + tail
-}
-
-/// The largest of `xs` (not empty, no NaN), in [`LANES`] partial maxima (a chain of `f32::max` waits on
-/// each result).
-#[inline(always)]
-fn max(xs: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let chunks = xs.chunks_exact(LANES);
-    let tail = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for c in chunks {
-        lanes.iter_mut().zip(c).for_each(|(l, &x)| *l = if x > *l { x } else { *l });
-    }
-    lanes.iter().copied().fold(tail, f32::max)
-}
-
-/// The sum of `xs` in f64, in eight partial sums (a chain of dependent f64 additions cannot be reordered
-/// by the compiler).
-#[inline(always)]
-fn sum(xs: &[f32]) -> f64 {
-    let mut lanes = [0f64; 8];
-    let chunks = xs.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|&x| x as f64).sum();
-    for c in chunks {
-        lanes.iter_mut().zip(c).for_each(|(l, &x)| *l += x as f64);
-    }
-    lanes.iter().sum::<f64>() + tail
 }

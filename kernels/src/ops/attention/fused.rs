@@ -12,7 +12,7 @@
 //! rows (pre-scaled) takes each panel in turn: `R x KEYS` scores accumulate in registers over `D` fused
 //! multiply-adds and are written once into an `R`-row buffer that stays in L1. The softmax runs on each
 //! row's visible span there (the max in f32, which is exact; `exp` with fused multiply-adds,
-//! [`exp_f32_fma`]; the sum in f32 lanes over blocks of 256, then in f64), then `O += p_j v_j`
+//! `exp_f32_fma`; the sum in f32 lanes over blocks of 256, then in f64), then `O += p_j v_j`
 //! accumulates `R x DP` outputs in registers over the tile's keys, and each row of `O` is divided by its
 //! sum at the end (normalising `O`, not `P`). The tile's two products are written twice: plain `mul_add`
 //! loops over 4 rows (compiled for the baseline and for AVX2 + FMA), and AVX-512 intrinsics over 8 rows
@@ -25,7 +25,7 @@
 
 use rayon::prelude::*;
 
-use super::super::exp::exp_f32_fma;
+use super::super::exp::{exp_sum, max};
 use super::{Dims, Spec};
 
 /// The largest head dimension this forward takes; larger heads go through the GEMM forward, whose
@@ -263,40 +263,6 @@ fn values_of<const DP: usize, const R: usize, const AVX512: bool>(
         return unsafe { avx512::tile_values(probs, width, first, v) };
     }
     tile_values(probs, width, first, v)
-}
-
-/// The largest element (NaN ignored, as `f32::max`), in 16 lanes.
-#[inline(always)]
-fn max(xs: &[f32]) -> f32 {
-    let pick = |m: f32, x: f32| if x > m { x } else { m };
-    let mut lanes = [f32::NEG_INFINITY; KEYS];
-    let chunks = xs.chunks_exact(KEYS);
-    let tail = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &x| pick(m, x));
-    for c in chunks {
-        lanes.iter_mut().zip(c).for_each(|(m, &x)| *m = pick(*m, x));
-    }
-    lanes.into_iter().fold(tail, pick)
-}
-
-/// Elements summed in f32 lanes before their sum joins the f64 total: each lane adds [`SUM_BLOCK`] / 16
-/// terms in f32 (relative error below 16 ulps), and the blocks add up in f64.
-const SUM_BLOCK: usize = 256;
-
-/// `xs[i] = e^(xs[i] - m)` (with [`exp_f32_fma`]) and their sum, block by block while the block is in L1.
-#[inline(always)]
-fn exp_sum(xs: &mut [f32], m: f32) -> f64 {
-    let mut total = 0f64;
-    for block in xs.chunks_mut(SUM_BLOCK) {
-        block.iter_mut().for_each(|x| *x = exp_f32_fma(*x - m));
-        let mut lanes = [0f32; KEYS];
-        let chunks = block.chunks_exact(KEYS);
-        let tail: f32 = chunks.remainder().iter().sum();
-        for c in chunks {
-            lanes.iter_mut().zip(c).for_each(|(l, &x)| *l += x);
-        }
-        total += lanes.iter().map(|&l| l as f64).sum::<f64>() + tail as f64;
-    }
-    total
 }
 
 /// `scores (R, width)` of the tile against `panels` (`width / KEYS` panels of `(d, KEYS)`):
