@@ -14,7 +14,7 @@ mod common;
 use anyhow::{ensure, Result};
 use askgui_kernels::ops::{
     cross_entropy_masked, cross_entropy_masked_reference, frozen_linear, frozen_linear_reference, layer_norm,
-    layer_norm_frozen, rms_norm, rms_norm_frozen, swiglu, swiglu_reference,
+    layer_norm_frozen, linear_parts, rms_norm, rms_norm_frozen, swiglu, swiglu_reference,
 };
 use askgui_kernels::{layer_norm_reference, rms_norm_reference};
 use candle_core::{DType, Device, Tensor, Var};
@@ -170,6 +170,30 @@ fn frozen_linear_matches_reference_and_finite_differences() -> Result<()> {
         compare_tensors(&format!("frozen_linear grad x {dims:?}"), dx, dx_ref, REF_F32)?;
         check_finite_differences("frozen_linear", op, &mk(DType::F64)?, &[0])?;
     }
+    Ok(())
+}
+
+/// `linear_parts` over rows kept in separate buffers against `frozen_linear_reference` on the rows
+/// concatenated (odd part sizes, an empty part), and its errors for a ragged part and a non-f32 weight.
+#[test]
+fn linear_parts_matches_the_linear_of_the_concatenated_rows() -> Result<()> {
+    let d_in = 37;
+    let w = tensor(&[11, d_in], 7, DType::F32)?;
+    let parts: Vec<Tensor> = [5, 0, 130, 1]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| tensor(&[n, d_in], 9 + i as u64, DType::F32))
+        .collect::<Result<_>>()?;
+    let data: Vec<Vec<f32>> = parts.iter().map(|p| Ok(p.flatten_all()?.to_vec1::<f32>()?)).collect::<Result<_>>()?;
+    let slices: Vec<&[f32]> = data.iter().map(Vec::as_slice).collect();
+    let y = linear_parts(&slices, &w)?;
+    let y_ref = frozen_linear_reference(&Tensor::cat(&parts, 0)?, &w)?;
+    ensure!(y.dims() == [136, 11], "linear_parts gave {:?}", y.dims());
+    compare_tensors("linear_parts", &y, &y_ref, REF_F32)?;
+    let ragged = linear_parts(&[&data[0][1..]], &w).unwrap_err().to_string();
+    ensure!(ragged.contains("part 0") && ragged.contains("rows of 37"), "{ragged}");
+    let f64_w = linear_parts(&slices, &w.to_dtype(DType::F64)?).unwrap_err().to_string();
+    ensure!(f64_w.contains("f32 CPU tensor"), "{f64_w}");
     Ok(())
 }
 

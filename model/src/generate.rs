@@ -127,11 +127,7 @@ pub fn generate(
     let t0 = Instant::now();
     let images: Vec<&ProcessedImage> = prompts.iter().flat_map(|p| &p.images).collect();
     let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
-    let feats = if images.is_empty() {
-        None
-    } else {
-        Some(model.image_features(&crate::image::pixel_rows(&images, dev)?, &grids)?)
-    };
+    let feats = if images.is_empty() { None } else { Some(model.images_features(&images)?) };
     timings.vision_s = t0.elapsed().as_secs_f64();
 
     // Left-pad to a common length; the pad id only has to differ from the image token.

@@ -7,7 +7,7 @@ use crate::chat::QwenTokenizer;
 use crate::config::{Arch, ModelConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
-use crate::image::ImageProcessorConfig;
+use crate::image::{ImageProcessorConfig, ProcessedImage};
 use crate::kv_cache::KvCache;
 use crate::text::TextDecoder;
 use crate::vision::VisionTower;
@@ -212,6 +212,12 @@ impl Qwen2Vl {
     /// Vision tower output for a batch of images: `(sum of image tokens, H)`.
     pub fn image_features(&self, pixel_values: &Tensor, grid_thw: &[[usize; 3]]) -> Result<Tensor> {
         self.vision.forward(pixel_values, grid_thw)
+    }
+
+    /// [`Self::image_features`] of whole preprocessed images, image after image; on the CPU their pixels
+    /// are read where they lie, not copied into one tensor first.
+    pub fn images_features(&self, images: &[&ProcessedImage]) -> Result<Tensor> {
+        self.vision.forward_images(images)
     }
 
     /// Token embeddings `(B, T, H)` with image features spliced in at the image tokens, in order.

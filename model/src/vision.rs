@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::{Arch, VisionConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
+use crate::image::ProcessedImage;
 use crate::layers::{activation, Linear};
 use crate::train_ops::TrainCtx;
 use crate::weights::Weights;
@@ -261,12 +262,22 @@ impl VisionTower {
         grid_thw: &[[usize; 3]],
         train: Option<&TrainCtx>,
     ) -> Result<Tensor> {
-        let prep = self.prepare(pixel_values, grid_thw)?;
+        self.run(&self.prepare(pixel_values, grid_thw)?, train)
+    }
+
+    /// [`Self::forward`] over whole images, without first copying their pixels into one tensor on the
+    /// CPU (see [`Self::prepare_images`]).
+    pub fn forward_images(&self, images: &[&ProcessedImage]) -> Result<Tensor> {
+        self.run(&self.prepare_images(images)?, None)
+    }
+
+    /// The blocks and the merger over prepared patch rows.
+    fn run(&self, prep: &VisionPrep, train: Option<&TrainCtx>) -> Result<Tensor> {
         let mut x = prep.x.clone();
         for i in 0..self.blocks.len() {
-            x = self.block(i, &x, &prep, train)?;
+            x = self.block(i, &x, prep, train)?;
         }
-        self.merge(&x, &prep, train)
+        self.merge(&x, prep, train)
     }
 
     /// Number of transformer blocks.
@@ -292,35 +303,65 @@ impl VisionTower {
     /// Checks the inputs, embeds the patches (window-permuted for Qwen2.5-VL) and builds the rotary
     /// tables: everything before the first block. Holds no trainable parameter.
     pub(crate) fn prepare(&self, pixel_values: &Tensor, grid_thw: &[[usize; 3]]) -> Result<VisionPrep> {
-        let m = self.cfg.spatial_merge_size;
         let rows: usize = grid_thw.iter().map(|g| g[0] * g[1] * g[2]).sum();
-        let (p, dim) = pixel_values.dims2()?;
-        if p != rows || dim != self.patch_embed.dim(1)? {
+        let dim = self.patch_embed.dim(1)?;
+        if pixel_values.dims2()? != (rows, dim) {
             return Err(ModelError::Generation(format!(
-                "pixel_values is {:?} but image_grid_thw {grid_thw:?} needs ({rows}, {})",
-                pixel_values.dims(),
-                self.patch_embed.dim(1)?
+                "pixel_values is {:?} but image_grid_thw {grid_thw:?} needs ({rows}, {dim})",
+                pixel_values.dims()
             )));
         }
+        self.prepare_embedded(grid_thw, |layout| self.embed_patches(pixel_values, layout))
+    }
+
+    /// [`Self::prepare`] for whole images. On the CPU with f32 weights each image is patch-embedded from
+    /// its own pixel buffer ([`askgui_kernels::ops::linear_parts`]): a batch's pixels (about 7 MB per
+    /// 640x480 screenshot) are never copied into one tensor. Elsewhere they are, and go through
+    /// [`Self::prepare`].
+    fn prepare_images(&self, images: &[&ProcessedImage]) -> Result<VisionPrep> {
+        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+        let dev = self.patch_embed.device();
+        if !dev.is_cpu() || self.patch_embed.dtype() != DType::F32 {
+            return self.prepare(&crate::image::pixel_rows(images, dev)?, &grids);
+        }
+        let dim = self.patch_embed.dim(1)?;
+        for (i, img) in images.iter().enumerate() {
+            let rows = img.grid_thw.iter().product::<usize>();
+            if img.pixel_values.len() != rows * dim {
+                return Err(ModelError::Generation(format!(
+                    "image {i} has {} pixel values but its grid {:?} needs {rows} rows of {dim}",
+                    img.pixel_values.len(),
+                    img.grid_thw
+                )));
+            }
+        }
+        let parts: Vec<&[f32]> = images.iter().map(|i| i.pixel_values.as_slice()).collect();
+        self.prepare_embedded(&grids, |layout| {
+            self.window_order(askgui_kernels::ops::linear_parts(&parts, &self.patch_embed)?, layout)
+        })
+    }
+
+    /// The rest of [`Self::prepare`] once the pixel rows are checked: the layout, `embed(layout)` as the
+    /// patch rows `(P, hidden)` in window order, and the rotary tables.
+    fn prepare_embedded(
+        &self,
+        grid_thw: &[[usize; 3]],
+        embed: impl FnOnce(&Layout) -> Result<Tensor>,
+    ) -> Result<VisionPrep> {
+        let m = self.cfg.spatial_merge_size;
         if let Some(g) = grid_thw.iter().find(|g| g[1] % m != 0 || g[2] % m != 0 || g[0] == 0) {
             return Err(ModelError::Generation(format!("image grid {g:?} is not a multiple of the merge size {m}")));
         }
-        let dev = pixel_values.device();
+        let dev = self.patch_embed.device();
         let dtype = self.patch_embed.dtype();
         let layout = self.layout(grid_thw);
-        let windowed = self.cfg.window_size.is_some();
-        let x = self.embed_patches(pixel_values, &layout)?;
+        let p = layout.hw.len() / 2;
+        let x = embed(&layout)?;
         // (P, 2) -> cos/sin (P, head_dim)
         let hw = Tensor::from_vec(layout.hw.clone(), (p, 2), &Device::Cpu)?;
         let (mut cos, mut sin) = askgui_kernels::vision_rope_cos_sin_reference(&hw, &self.inv_freq)?;
-        let unit = m * m;
-        let row_order = |groups: &[u32]| -> candle_core::Result<Tensor> {
-            let idx: Vec<u32> =
-                groups.iter().flat_map(|&g| (0..unit as u32).map(move |j| g * unit as u32 + j)).collect();
-            Tensor::from_vec(idx, groups.len() * unit, dev)
-        };
-        if windowed {
-            let idx = row_order(&layout.window_index)?;
+        if self.cfg.window_size.is_some() {
+            let idx = self.window_rows(&layout)?;
             cos = cos.to_device(dev)?.index_select(&idx, 0)?;
             sin = sin.to_device(dev)?.index_select(&idx, 0)?;
         }
@@ -334,13 +375,23 @@ impl VisionTower {
     /// [`Self::prepare`] leaves them). Differentiable in the patch embedding (full training).
     pub(crate) fn embed_patches(&self, pixel_values: &Tensor, layout: &Layout) -> Result<Tensor> {
         let x = crate::layers::matmul_t(&pixel_values.to_dtype(self.patch_embed.dtype())?, &self.patch_embed)?;
-        if self.cfg.window_size.is_none() {
-            return Ok(x);
+        self.window_order(x, layout)
+    }
+
+    /// Patch rows `(P, ..)` from pixel order into window order (Qwen2.5-VL; unchanged without windows).
+    fn window_order(&self, x: Tensor, layout: &Layout) -> Result<Tensor> {
+        match self.cfg.window_size {
+            Some(_) => Ok(x.index_select(&self.window_rows(layout)?, 0)?),
+            None => Ok(x),
         }
+    }
+
+    /// The pixel-order row of each window-order row: every merged group's `merge^2` patches, group by group.
+    fn window_rows(&self, layout: &Layout) -> Result<Tensor> {
         let unit = (self.cfg.spatial_merge_size * self.cfg.spatial_merge_size) as u32;
         let idx: Vec<u32> = layout.window_index.iter().flat_map(|&g| (0..unit).map(move |j| g * unit + j)).collect();
         let n = idx.len();
-        Ok(x.index_select(&Tensor::from_vec(idx, n, pixel_values.device())?, 0)?)
+        Ok(Tensor::from_vec(idx, n, self.patch_embed.device())?)
     }
 
     /// Block `i`: `x (P, hidden) -> (P, hidden)`, pre-norm attention then MLP, both residual.

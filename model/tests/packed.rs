@@ -99,3 +99,33 @@ fn a_truncated_cache_is_the_shorter_prompts_cache() {
     close("rows after the shared prefix", &run(&m, &all[25..], 25, &mut cut), &want);
     assert_eq!(full.len(), 40, "truncating leaves the original cache alone");
 }
+
+/// `images_features` (each image patch-embedded from its own pixel buffer) against `image_features` on the
+/// pixels copied into one tensor, both architectures, two screenshots of different sizes: equal within
+/// 1e-6 of the largest feature (the same GEMMs on the same rows; seen: bitwise equal). An image whose pixel
+/// values do not fill its grid is an error that names it.
+#[test]
+fn images_features_equal_the_features_of_one_pixel_tensor() {
+    for dir in ["tiny-qwen2_5_vl", "tiny-qwen2_vl"] {
+        let m = Qwen2Vl::load(fixtures().join(dir).to_str().unwrap(), &Device::Cpu, DType::F32).unwrap();
+        let shot = |w: u32, h: u32, seed: u32| {
+            let img = image::RgbImage::from_fn(w, h, |x, y| {
+                image::Rgb([((x * 7 + seed) % 256) as u8, ((y * 3 + seed * 5) % 256) as u8, (seed * 40 % 256) as u8])
+            });
+            askgui_model::preprocess(&img, &m.image_config).unwrap()
+        };
+        let images = [shot(200, 150, 1), shot(120, 260, 2)];
+        let refs: Vec<_> = images.iter().collect();
+        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+        let one = m.image_features(&askgui_model::pixel_rows(&refs, &Device::Cpu).unwrap(), &grids).unwrap();
+        let parts = m.images_features(&refs).unwrap();
+        let (d, _, scale) = diff(&parts, &one);
+        eprintln!("{dir}: max |images_features - image_features| = {d:e} (largest feature {scale:.3})");
+        assert!(d <= 1e-6 * scale, "{dir}: differs by {d}");
+
+        let mut ragged = shot(200, 150, 3);
+        ragged.pixel_values.pop();
+        let err = m.images_features(&[&images[0], &ragged]).unwrap_err().to_string();
+        assert!(err.contains("image 1") && err.contains("pixel values"), "{dir}: {err}");
+    }
+}

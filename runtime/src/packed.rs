@@ -111,11 +111,8 @@ impl Packed {
 
     /// One vision forward over `images`; their features `(tokens_i, H)`, in order.
     fn encode(&self, images: &[&PreparedImage]) -> Result<Vec<Tensor>> {
-        let grids: Vec<[usize; 3]> = images.iter().map(|(_, img)| img.grid_thw).collect();
-        let pixels =
-            askgui_model::pixel_rows(&images.iter().map(|(_, img)| &**img).collect::<Vec<_>>(), &self.model.device)?;
         // (sum P_i, patch_dim) -> (sum P_i / merge^2, H), image after image
-        let all = self.model.image_features(&pixels, &grids)?;
+        let all = self.model.images_features(&images.iter().map(|(_, img)| &**img).collect::<Vec<_>>())?;
         let merge = self.model.cfg.vision.spatial_merge_size;
         let mut start = 0;
         let mut out = Vec::with_capacity(images.len());

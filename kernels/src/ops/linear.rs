@@ -155,6 +155,40 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&w.contiguous()?, FrozenLinear)
 }
 
+/// `y (sum n_i, out)`: the rows of every part `x_i (n_i, in)`, in order, times `w (out, in)^T`, for f32 on
+/// the CPU. Each part is multiplied where it lies, so rows kept in separate buffers (a batch's
+/// screenshots, about 7 MB of pixels each at 640x480) need no copy into one tensor first. A part whose
+/// length is not a multiple of `in` is an error; `w` must be an f32 CPU tensor. Its twin is
+/// [`frozen_linear`] on the concatenated rows, which the tests compare it with.
+pub fn linear_parts(parts: &[&[f32]], w: &Tensor) -> Result<Tensor> {
+    let (d_out, d_in) = w.dims2()?;
+    if !w.device().is_cpu() || w.dtype() != candle_core::DType::F32 || d_in == 0 {
+        bail!(
+            "linear_parts: w must be a non-empty f32 CPU tensor, got {:?} {:?} on {:?}",
+            w.dtype(),
+            w.shape(),
+            w.device()
+        )
+    }
+    if let Some((i, p)) = parts.iter().enumerate().find(|(_, p)| p.len() % d_in != 0) {
+        bail!("linear_parts: part {i} has {} values, not a whole number of rows of {d_in}", p.len())
+    }
+    let w = w.contiguous()?;
+    let (storage, layout) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(storage) = &*storage else { unreachable!("checked to be on the CPU above") };
+    let w = View::rows(contiguous_slice::<f32>(storage, layout, "linear_parts", "w")?, d_out, d_in, d_in);
+    let n: usize = parts.iter().map(|p| p.len() / d_in).sum();
+    let mut y = vec![0f32; n * d_out];
+    let mut rest = y.as_mut_slice();
+    for p in parts {
+        let rows = p.len() / d_in;
+        let (dst, tail) = rest.split_at_mut(rows * d_out);
+        matmul(dst, d_out, View::rows(p, rows, d_in, d_in), w.t(), 1.0, false, true);
+        rest = tail;
+    }
+    Tensor::from_vec(y, (n, d_out), &candle_core::Device::Cpu)
+}
+
 /// Plain-candle twin of [`frozen_linear`]. Differentiable, but candle's autograd also computes a
 /// (wasted) gradient for `w` through it: that is the point of the CustomOp.
 pub fn frozen_linear_reference(x: &Tensor, w: &Tensor) -> Result<Tensor> {

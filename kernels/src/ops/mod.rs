@@ -39,7 +39,7 @@ pub mod swiglu;
 
 pub use attention::{attention, attention_replay, attention_saving, AttentionSaved};
 pub use cross_entropy::{cross_entropy_masked, cross_entropy_masked_reference};
-pub use linear::{frozen_linear, frozen_linear_reference};
+pub use linear::{frozen_linear, frozen_linear_reference, linear_parts};
 pub use narrow::{dequantize_int8, int8_linear, narrow_linear_reference, quantize_int8};
 pub use norm::{layer_norm, layer_norm_frozen, rms_norm, rms_norm_frozen};
 pub use paged_attention::{paged_attention, paged_attention_reference};
