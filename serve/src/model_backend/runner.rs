@@ -144,7 +144,8 @@ impl Runner {
     fn pack(&mut self, tickets: Vec<Ticket>, mut held: Vec<Held>, intake: &mut dyn Intake) {
         // Every ticket's items embedded together: the screenshots the cache lacks in one vision forward.
         let all: Vec<&Item> = tickets.iter().flat_map(|t| &t.items).collect();
-        let embedded = self.packed.embed_all(&all);
+        let packed = &mut self.packed;
+        let embedded = in_pool(packed.model.device.is_cpu(), || packed.embed_all(&all));
         if embedded.images_encoded > 0 {
             intake.record_vision_batch(embedded.images_encoded);
         }
@@ -191,7 +192,10 @@ impl Runner {
         intake.record_batch(ready.iter().map(|t| t.items.len()).sum::<usize>() + chunks.len());
         let mut items: Vec<&mut Item> = ready.iter_mut().flat_map(|t| t.items.iter_mut()).collect();
         items.extend(chunks.iter_mut());
-        let out = catch_unwind(AssertUnwindSafe(|| self.packed.forward(&embeds, &mut items))).unwrap_or_else(|p| {
+        let packed = &mut self.packed;
+        let cpu = packed.model.device.is_cpu();
+        let forward = || in_pool(cpu, || packed.forward(&embeds, &mut items));
+        let out = catch_unwind(AssertUnwindSafe(forward)).unwrap_or_else(|p| {
             Err(RuntimeError::Internal(format!("the forward panicked: {}", crate::engine::panic_message(p.as_ref()))))
         });
         let mut logits = match out {
@@ -221,6 +225,21 @@ impl Runner {
         tracing::error!(error = %e, sequences = ready.len() + held.len(), "a packed forward failed");
         ready.into_iter().for_each(|t| drop(t.reply.send(Err(e.clone()))));
         held.into_iter().for_each(|h| drop(h.ticket.reply.send(Err(e.clone()))));
+    }
+}
+
+/// Runs `f` on one of rayon's worker threads when `cpu`, else here (a GPU's context is bound to this
+/// thread).
+///
+/// Why: a CPU forward is hundreds of small ops, most split over rayon's pool. Called from outside the
+/// pool, this thread hands each op over and sleeps until it is done, then has to be woken and scheduled
+/// among the job threads to issue the next one. Run on a worker, the forward's own thread takes part in
+/// each op and runs the serial ones without a hand-over: at concurrency 16 in `bench_serve.py` a
+/// screenshot's vision forward went from about 20 to 15 ms (`docs/benchmarks.md`, 2026-11-28).
+fn in_pool<R: Send>(cpu: bool, f: impl FnOnce() -> R + Send) -> R {
+    match cpu {
+        true => rayon::scope(|_| f()),
+        false => f(),
     }
 }
 
