@@ -60,9 +60,27 @@ impl Packed {
     /// embedded fails alone; if a batched vision forward fails, its images are encoded one by one, so
     /// that the error reaches only the items that hold the bad image.
     pub fn embed_all(&mut self, items: &[&Item]) -> Embedded {
-        let (fresh, images_encoded) = self.encode_missing(items);
-        let embeds = items.iter().map(|item| self.embed_with(item, &fresh)).collect();
-        Embedded { embeds, images_encoded }
+        let encoded = self.encode_missing(items);
+        self.embed_encoded(items, encoded)
+    }
+
+    /// Whether an image of `items` is missing from the feature cache (their embedding needs the vision
+    /// tower).
+    pub fn lacks_images(&self, items: &[Item]) -> bool {
+        let adapter = self.model.active_adapter().map(String::from);
+        items.iter().flat_map(|i| &i.images).any(|img| self.features.get(&(img.0, adapter.clone())).is_none())
+    }
+
+    /// [`Self::embed_all`] with the images `encoded` ([`Self::encode_missing`] of the same items) first
+    /// put in the feature cache.
+    pub fn embed_encoded(&mut self, items: &[&Item], encoded: FreshFeatures) -> Embedded {
+        let adapter = self.model.active_adapter().map(String::from);
+        for (hash, f) in &encoded.features {
+            let bytes = f.elem_count() * f.dtype().size_in_bytes();
+            self.features.insert((*hash, adapter.clone()), f.clone(), bytes);
+        }
+        let embeds = items.iter().map(|item| self.embed_with(item, &encoded.features)).collect();
+        Embedded { embeds, images_encoded: encoded.count }
     }
 
     fn embed_with(&mut self, item: &Item, fresh: &HashMap<u64, Tensor>) -> Result<Tensor> {
@@ -79,10 +97,10 @@ impl Packed {
         Ok(self.model.embed(&ids, feats.as_ref())?)
     }
 
-    /// Encodes the distinct images of `items` that the cache lacks, batched by patch count, into the
-    /// cache and the returned map (which outlives a cache that clears itself when full). A failing batch
-    /// is left out of the map; returns how many images were encoded.
-    fn encode_missing(&mut self, items: &[&Item]) -> (HashMap<u64, Tensor>, usize) {
+    /// Encodes the distinct images of `items` that the cache lacks, batched by patch count; the cache is
+    /// left as it is (see [`Self::embed_encoded`]), so that this can run beside a [`Self::forward`]. A
+    /// failing batch is left out (its images are encoded one by one when embedded).
+    pub fn encode_missing(&self, items: &[&Item]) -> FreshFeatures {
         let adapter = self.model.active_adapter().map(String::from);
         let mut missing: Vec<&PreparedImage> = Vec::new();
         for img in items.iter().flat_map(|i| &i.images) {
@@ -91,22 +109,17 @@ impl Packed {
                 missing.push(img);
             }
         }
-        let mut fresh = HashMap::new();
-        let mut encoded = 0;
+        let mut out = FreshFeatures::default();
         for batch in patch_batches(&missing, MAX_VISION_PATCHES) {
             match self.encode(batch) {
                 Ok(features) => {
-                    encoded += batch.len();
-                    for ((hash, _), f) in batch.iter().zip(features) {
-                        let bytes = f.elem_count() * f.dtype().size_in_bytes();
-                        self.features.insert((*hash, adapter.clone()), f.clone(), bytes);
-                        fresh.insert(*hash, f);
-                    }
+                    out.count += batch.len();
+                    out.features.extend(batch.iter().map(|(hash, _)| *hash).zip(features));
                 }
                 Err(e) => tracing::debug!(error = %e, images = batch.len(), "batched vision failed; one at a time"),
             }
         }
-        (fresh, encoded)
+        out
     }
 
     /// One vision forward over `images`; their features `(tokens_i, H)`, in order.
@@ -127,7 +140,7 @@ impl Packed {
     /// The packed forward: every item's new rows (`embeds[i]`, from [`Self::embed`]) back to back, each
     /// over its own cache (appended in place); the logits of each item's last `logits_rows` rows, in item
     /// order.
-    pub fn forward(&mut self, embeds: &[Tensor], items: &mut [&mut Item]) -> Result<Vec<Vec<Vec<f32>>>> {
+    pub fn forward(&self, embeds: &[Tensor], items: &mut [&mut Item]) -> Result<Vec<Vec<Vec<f32>>>> {
         let embeds = Tensor::cat(embeds, 1)?;
         let lens: Vec<usize> = items.iter().map(|i| i.ids.len()).collect();
         let positions: Vec<[u32; 3]> = items.iter().flat_map(|i| i.positions.iter().copied()).collect();
@@ -200,6 +213,14 @@ fn patch_batches<'a, 'b>(images: &'a [&'b PreparedImage], max_patches: usize) ->
         out.push(&images[start..]);
     }
     out
+}
+
+/// The vision tower's outputs `(tokens, H)` of a batch's missing images by content hash
+/// ([`Packed::encode_missing`]), and how many images were encoded.
+#[derive(Default)]
+pub struct FreshFeatures {
+    pub features: HashMap<u64, Tensor>,
+    pub count: usize,
 }
 
 /// What [`Packed::embed_all`] gives: each item's embeddings or error, in order, and how many images

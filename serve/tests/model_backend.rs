@@ -263,9 +263,10 @@ fn packed_jobs_answer_what_they_answer_alone() -> anyhow::Result<()> {
 }
 
 /// Six step jobs, each with a screenshot of its own: `started` of them start together and the rest are
-/// handed in while those run. Each answers what it answers alone (tolerance 1e-5 on `ask_probability`:
+/// handed in while those run (their screenshots encoded beside the running forwards, their prompts run
+/// whole or, with `chunk`, in chunks of that many tokens). Each answers what it answers alone (tolerance 1e-5 on `ask_probability`:
 /// batching changes GEMM row counts only) and each screenshot is encoded exactly once.
-fn screenshot_jobs_answer_as_alone(started: usize, max_tokens: usize) -> anyhow::Result<()> {
+fn screenshot_jobs_answer_as_alone(started: usize, max_tokens: usize, chunk: usize) -> anyhow::Result<()> {
     let sizes = [(200, 150), (160, 120), (240, 180), (120, 200), (280, 140), (200, 200)];
     let jobs = || {
         sizes
@@ -283,7 +284,7 @@ fn screenshot_jobs_answer_as_alone(started: usize, max_tokens: usize) -> anyhow:
         Backend::run(&mut b, vec![job]);
         alone.push(step_of(rx.blocking_recv()?));
     }
-    let mut b = backend(false)?.with_prefix_cache(0);
+    let mut b = backend(false)?.with_prefix_cache(0).with_prefill_chunk(chunk);
     let (mut first, rxs): (Vec<Job>, Vec<_>) = jobs().into_iter().unzip();
     let later = first.split_off(started);
     let mut intake = Recorder { later, batches: vec![], vision: vec![] };
@@ -304,14 +305,21 @@ fn screenshot_jobs_answer_as_alone(started: usize, max_tokens: usize) -> anyhow:
 /// Batched vision: six jobs started together share vision forwards and answer what each answers alone.
 #[test]
 fn screenshots_of_jobs_started_together_are_encoded_together() -> anyhow::Result<()> {
-    screenshot_jobs_answer_as_alone(6, 16)
+    screenshot_jobs_answer_as_alone(6, 16, usize::MAX)
 }
 
 /// Jobs handed in while others run: their prompts (and vision forwards) join forwards that hold other
 /// jobs' decode steps, and they answer what each answers alone.
 #[test]
 fn screenshots_arriving_mid_run_answer_as_alone() -> anyhow::Result<()> {
-    screenshot_jobs_answer_as_alone(2, 24)
+    screenshot_jobs_answer_as_alone(2, 24, usize::MAX)
+}
+
+/// As above, with the prompts of the jobs handed in mid-run prefilled in chunks of 100 tokens (held by
+/// the model's owner after their screenshots were encoded beside a forward).
+#[test]
+fn screenshots_arriving_mid_run_answer_as_alone_in_chunks() -> anyhow::Result<()> {
+    screenshot_jobs_answer_as_alone(2, 24, 100)
 }
 
 /// Chunked prefill: with chunks of 100 tokens, three jobs' prompts (about 900 tokens each) run over

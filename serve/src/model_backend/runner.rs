@@ -9,13 +9,18 @@
 //! default [`PREFILL_CHUNK`]) is embedded once (its screenshots included) and then runs that many rows per
 //! forward, held here between forwards, and is answered after its last chunk. So the decode steps packed
 //! with a long new prompt wait for one chunk of it per forward, not for all of it.
+//!
+//! Vision beside the forward (CPU): a new ticket whose screenshots the feature cache lacks, arriving while
+//! other rows run, has them encoded on the other core during that forward and starts its prefill in the
+//! next round. One forward alone leaves a core idle through its serial ops (15% of the samples at
+//! concurrency 16); the two together keep both busy (`docs/benchmarks.md`, 2026-11-28).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
 use askgui_model::KvPool;
-use askgui_runtime::{Item, ItemOut, Packed, RuntimeError};
+use askgui_runtime::{FreshFeatures, Item, ItemOut, Packed, RuntimeError};
 use candle_core::Tensor;
 
 use crate::backend::{Intake, Job};
@@ -141,7 +146,60 @@ impl Runner {
     /// One packed forward over every item of `tickets` and the next chunk of every prefill in `held`
     /// (new chunked tickets join `held` first); each ticket gets its answers or the error. A ticket whose
     /// input cannot be embedded fails alone; a failing (or panicking) forward fails the whole pack.
-    fn pack(&mut self, tickets: Vec<Ticket>, mut held: Vec<Held>, intake: &mut dyn Intake) {
+    ///
+    /// On the CPU, when there are other rows to run, the tickets whose screenshots the feature cache
+    /// lacks are encoded beside the forward, not before it ([`Self::admit`]): the two share the cores
+    /// where one alone leaves one idle (its serial ops), and their prefill starts in the next round.
+    fn pack(&mut self, tickets: Vec<Ticket>, held: Vec<Held>, intake: &mut dyn Intake) {
+        let cpu = self.packed.model.device.is_cpu();
+        let (beside, now): (Vec<Ticket>, Vec<Ticket>) =
+            tickets.into_iter().partition(|t| cpu && self.packed.lacks_images(&t.items));
+        if now.is_empty() && held.is_empty() {
+            self.run_pack(beside, held, intake, &[]);
+            return;
+        }
+        let items: Vec<&Item> = beside.iter().flat_map(|t| &t.items).collect();
+        let encoded = self.run_pack(now, held, intake, &items);
+        self.admit(beside, encoded, intake);
+    }
+
+    /// Tickets whose screenshots were encoded beside a forward (`encoded`; `None`: that forward did not
+    /// run): embedded, a chunked prefill held for the next round, any other ticket run now.
+    fn admit(&mut self, tickets: Vec<Ticket>, encoded: Option<FreshFeatures>, intake: &mut dyn Intake) {
+        let Some(encoded) = encoded.filter(|_| !tickets.is_empty()) else {
+            if !tickets.is_empty() {
+                self.run_pack(tickets, Vec::new(), intake, &[]);
+            }
+            return;
+        };
+        let all: Vec<&Item> = tickets.iter().flat_map(|t| &t.items).collect();
+        let embedded = self.packed.embed_encoded(&all, encoded);
+        if embedded.images_encoded > 0 {
+            intake.record_vision_batch(embedded.images_encoded);
+        }
+        let (mut results, mut whole) = (embedded.embeds.into_iter(), Vec::new());
+        for t in tickets {
+            match results.by_ref().take(t.items.len()).collect::<Result<Vec<_>, _>>() {
+                Ok(mut e) if self.chunked(&t) => self.held.push(Held { ticket: t, embeds: e.remove(0), done: 0 }),
+                // Embedded again by the next pack, from the feature cache.
+                Ok(_) => whole.push(t),
+                Err(e) => drop(t.reply.send(Err(e))),
+            }
+        }
+        if !whole.is_empty() {
+            self.run_pack(whole, Vec::new(), intake, &[]);
+        }
+    }
+
+    /// [`Self::pack`] of `tickets` and `held`, with the screenshots of `beside` (tickets not in this
+    /// pack) encoded beside its forward: their features, or `None` if the forward did not run.
+    fn run_pack(
+        &mut self,
+        tickets: Vec<Ticket>,
+        mut held: Vec<Held>,
+        intake: &mut dyn Intake,
+        beside: &[&Item],
+    ) -> Option<FreshFeatures> {
         // Every ticket's items embedded together: the screenshots the cache lacks in one vision forward.
         let all: Vec<&Item> = tickets.iter().flat_map(|t| &t.items).collect();
         let packed = &mut self.packed;
@@ -184,23 +242,36 @@ impl Runner {
             });
         }
         if let Some(e) = bad {
-            return self.fail(ready, held, e);
+            self.fail(ready, held, e);
+            return None;
         }
         if ready.is_empty() && chunks.is_empty() {
-            return;
+            return None;
         }
         intake.record_batch(ready.iter().map(|t| t.items.len()).sum::<usize>() + chunks.len());
         let mut items: Vec<&mut Item> = ready.iter_mut().flat_map(|t| t.items.iter_mut()).collect();
         items.extend(chunks.iter_mut());
-        let packed = &mut self.packed;
-        let cpu = packed.model.device.is_cpu();
-        let forward = || in_pool(cpu, || packed.forward(&embeds, &mut items));
-        let out = catch_unwind(AssertUnwindSafe(forward)).unwrap_or_else(|p| {
-            Err(RuntimeError::Internal(format!("the forward panicked: {}", crate::engine::panic_message(p.as_ref()))))
-        });
+        let packed = &self.packed;
+        let forward = || {
+            catch_unwind(AssertUnwindSafe(|| packed.forward(&embeds, &mut items))).unwrap_or_else(|p| {
+                let why = crate::engine::panic_message(p.as_ref());
+                Err(RuntimeError::Internal(format!("the forward panicked: {why}")))
+            })
+        };
+        let (out, encoded) = match beside.is_empty() {
+            true => (in_pool(packed.model.device.is_cpu(), forward), None),
+            false => {
+                let vision = || packed.encode_missing(beside);
+                let (out, encoded) = in_pool(true, || rayon::join(forward, vision));
+                (out, Some(encoded))
+            }
+        };
         let mut logits = match out {
             Ok(logits) => logits,
-            Err(e) => return self.fail(ready, held, e),
+            Err(e) => {
+                self.fail(ready, held, e);
+                return encoded;
+            }
         };
         // The chunks' answers come last.
         let chunk_logits = logits.split_off(logits.len() - chunks.len());
@@ -218,6 +289,7 @@ impl Runner {
             let outs = t.items.into_iter().zip(mine).map(|(i, logits)| ItemOut { cache: i.cache, logits });
             let _ = t.reply.send(Ok(outs.collect()));
         }
+        encoded
     }
 
     /// A failed forward: every ticket of the pack, held prefills included, gets the error.
