@@ -40,7 +40,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> (f32, f32) {
 /// output's scale.
 #[test]
 fn paged_attention_matches_the_concatenated_reference() {
-    let cases: [(usize, usize, usize, usize, &[usize]); 7] = [
+    let cases: [(usize, usize, usize, usize, &[usize]); 9] = [
         (4, 2, 1, 16, &[64, 64, 17]),
         // A serving prompt's length: the online softmax over several steps of 128 keys, a block that ends
         // inside a step, and 6 rows (two groups of query rows) whose last keys differ.
@@ -50,6 +50,10 @@ fn paged_attention_matches_the_concatenated_reference() {
         (2, 2, 1, 8, &[1]),
         (6, 1, 2, 32, &[64, 64, 64, 1]),
         (4, 4, 4, 16, &[3, 64, 2]),
+        // The serving cache's blocks of 32, with rows whose last keys fall in different blocks (rows that
+        // see 127, 128, 129 and 130 keys), and three groups of query rows over ten blocks.
+        (4, 2, 4, 16, &[32, 32, 32, 32, 2]),
+        (2, 1, 11, 32, &[32, 32, 32, 32, 32, 32, 32, 32, 32, 7]),
     ];
     for (i, &(hq, hkv, t, d, lens)) in cases.iter().enumerate() {
         let (q, blocks) = case(hq, hkv, t, d, lens, 10 + i as u64, DType::F32);
