@@ -67,8 +67,20 @@ impl Packed {
     /// Whether an image of `items` is missing from the feature cache (their embedding needs the vision
     /// tower).
     pub fn lacks_images(&self, items: &[Item]) -> bool {
+        !self.missing(items.iter().flat_map(|i| &i.images)).is_empty()
+    }
+
+    /// The distinct images of `images` whose features the cache lacks (for the active adapter), in order.
+    fn missing<'a>(&self, images: impl Iterator<Item = &'a PreparedImage>) -> Vec<&'a PreparedImage> {
         let adapter = self.model.active_adapter().map(String::from);
-        items.iter().flat_map(|i| &i.images).any(|img| self.features.get(&(img.0, adapter.clone())).is_none())
+        let mut missing: Vec<&PreparedImage> = Vec::new();
+        for img in images {
+            let cached = self.features.get(&(img.0, adapter.clone())).is_some();
+            if !cached && !missing.iter().any(|m| m.0 == img.0) {
+                missing.push(img);
+            }
+        }
+        missing
     }
 
     /// [`Self::embed_all`] with the images `encoded` ([`Self::encode_missing`] of the same items) first
@@ -101,14 +113,7 @@ impl Packed {
     /// left as it is (see [`Self::embed_encoded`]), so that this can run beside a [`Self::forward`]. A
     /// failing batch is left out (its images are encoded one by one when embedded).
     pub fn encode_missing(&self, items: &[&Item]) -> FreshFeatures {
-        let adapter = self.model.active_adapter().map(String::from);
-        let mut missing: Vec<&PreparedImage> = Vec::new();
-        for img in items.iter().flat_map(|i| &i.images) {
-            let cached = self.features.get(&(img.0, adapter.clone())).is_some();
-            if !cached && !missing.iter().any(|m| m.0 == img.0) {
-                missing.push(img);
-            }
-        }
+        let missing = self.missing(items.iter().flat_map(|i| &i.images));
         let mut out = FreshFeatures::default();
         for batch in patch_batches(&missing, MAX_VISION_PATCHES) {
             match self.encode(batch) {

@@ -11,7 +11,8 @@
 //! this op reads them where they are.
 //!
 //! How: one task per query head (rayon), its rows four at a time so that they share each key and value
-//! read; an online softmax over steps of 128 keys (scores in L1): scores `(scale q) . k_j` as f32 dot
+//! read; an online softmax over steps of at most 128 keys of one block (scores in L1; the serving cache's
+//! blocks hold 32 positions, so there a step is a block): scores `(scale q) . k_j` as f32 dot
 //! products in 16 partial sums, `exp` vectorised in f32 ([`exp_sum`]), the step's `sum p_j v_j`
 //! in f32 registers, and the running sums, rescaled at each step, in f64; rounded to the storage dtype
 //! once. No GEMM: it is meant for decoding (a few rows); prefills concatenate and take

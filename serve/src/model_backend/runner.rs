@@ -166,10 +166,11 @@ impl Runner {
     /// Tickets whose screenshots were encoded beside a forward (`encoded`; `None`: that forward did not
     /// run): embedded, a chunked prefill held for the next round, any other ticket run now.
     fn admit(&mut self, tickets: Vec<Ticket>, encoded: Option<FreshFeatures>, intake: &mut dyn Intake) {
-        let Some(encoded) = encoded.filter(|_| !tickets.is_empty()) else {
-            if !tickets.is_empty() {
-                self.run_pack(tickets, Vec::new(), intake, &[]);
-            }
+        if tickets.is_empty() {
+            return;
+        }
+        let Some(encoded) = encoded else {
+            self.run_pack(tickets, Vec::new(), intake, &[]);
             return;
         };
         let all: Vec<&Item> = tickets.iter().flat_map(|t| &t.items).collect();
@@ -252,17 +253,19 @@ impl Runner {
         let mut items: Vec<&mut Item> = ready.iter_mut().flat_map(|t| t.items.iter_mut()).collect();
         items.extend(chunks.iter_mut());
         let packed = &self.packed;
+        let cpu = packed.model.device.is_cpu();
         let forward = || {
             catch_unwind(AssertUnwindSafe(|| packed.forward(&embeds, &mut items))).unwrap_or_else(|p| {
                 let why = crate::engine::panic_message(p.as_ref());
                 Err(RuntimeError::Internal(format!("the forward panicked: {why}")))
             })
         };
+        // `beside` is empty off the CPU (see `pack`).
         let (out, encoded) = match beside.is_empty() {
-            true => (in_pool(packed.model.device.is_cpu(), forward), None),
+            true => (in_pool(cpu, forward), None),
             false => {
                 let vision = || packed.encode_missing(beside);
-                let (out, encoded) = in_pool(true, || rayon::join(forward, vision));
+                let (out, encoded) = in_pool(cpu, || rayon::join(forward, vision));
                 (out, Some(encoded))
             }
         };
