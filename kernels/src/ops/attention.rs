@@ -650,6 +650,26 @@ fn apply(
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
+/// [`attention`]'s forward without autograd, on CPU tensors widened to f32, with each row's logsumexp:
+/// `(O, lse)` as `(B * Hq * Tq * D, B * Hq * Tq)` vectors. For ops that merge attentions over parts of the
+/// keys by their logsumexps ([`super::paged_attention_forks`]).
+pub(crate) fn attention_lse(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: AttentionMask,
+    scale: f64,
+) -> Result<(Vec<f32>, Vec<f64>)> {
+    let spec = spec(q, k, v, mask, None, scale)?;
+    let dims = check_dims("attention", q.dims(), k.dims(), v.dims(), &spec.mask, false)?;
+    let f32s = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+    let (q, k, v) = (f32s(q)?, f32s(k)?, f32s(v)?);
+    Ok(match fused::applies(&dims, &spec) {
+        true => fused::forward(&q, &k, &v, &dims, &spec),
+        false => forward(&q, &k, &v, &dims, &spec),
+    })
+}
+
 /// The storage of a replayed output `o` (a fresh copy: candle owns what a forward returns), which must
 /// have the shape of `q` (laid out by `ql`).
 fn replayed(o: &Tensor, ql: &Layout) -> Result<(CpuStorage, Shape)> {

@@ -42,7 +42,9 @@ pub use cross_entropy::{cross_entropy_masked, cross_entropy_masked_reference};
 pub use linear::{frozen_linear, frozen_linear_reference, linear_parts};
 pub use narrow::{dequantize_int8, int8_linear, narrow_linear_reference, quantize_int8};
 pub use norm::{layer_norm, layer_norm_frozen, rms_norm, rms_norm_frozen};
-pub use paged_attention::{paged_attention, paged_attention_reference};
+pub use paged_attention::{
+    paged_attention, paged_attention_forks, paged_attention_forks_reference, paged_attention_reference,
+};
 pub use rope::rope;
 pub use swiglu::{swiglu, swiglu_reference};
 

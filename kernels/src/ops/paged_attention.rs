@@ -3,7 +3,9 @@
 //! What: [`paged_attention`] computes what [`crate::attention_reference`] computes for `q (1, Hq, T, D)`
 //! against the concatenation of the blocks `k_i, v_i (1, Hkv, n_i, D)` under the causal mask (the queries
 //! are the last `T` key positions), without concatenating them. [`paged_attention_reference`] is its twin:
-//! it concatenates and calls the reference.
+//! it concatenates and calls the reference. [`paged_attention_forks`] runs the rows of several forks of
+//! one cache in one call, each fork seeing the cache and its own rows only (scoring the options of a
+//! constrained choice); its twin runs each fork alone through the reference.
 //!
 //! Why: a serving step appends one token per sequence; concatenating the cache to attend over it copies
 //! every cached key and value of every layer at every step, and a fork that shares its parent's cache
@@ -15,8 +17,10 @@
 //! blocks hold 32 positions, so there a step is a block): scores `(scale q) . k_j` as f32 dot
 //! products in 16 partial sums, `exp` vectorised in f32 ([`exp_sum`]), the step's `sum p_j v_j`
 //! in f32 registers, and the running sums, rescaled at each step, in f64; rounded to the storage dtype
-//! once. No GEMM: it is meant for decoding (a few rows); prefills concatenate and take
-//! [`super::attention()`].
+//! once. Each row folds in only the keys it sees (a `Sight`: the causal end, less the other forks' rows
+//! for forks). No GEMM: it is meant for decoding (a few rows); prefills concatenate and take
+//! [`super::attention()`]. Forks of more rows than one group concatenate the cache too: the fused forward
+//! of [`super::attention()`] over the cache and over the forks' own keys, merged by logsumexp.
 //! bf16 blocks are widened to f32 one block at a time. On CUDA tensors (feature `cuda`) the same call runs
 //! `cuda/paged_attention.cu` through its launch plan (`crate::plan::paged_attention`), all in f32.
 //!
@@ -24,6 +28,7 @@
 //! cpu-exec --test emu paged` (the CUDA kernel, executed on the CPU, against the CPU op), and on a GPU
 //! `--features cuda --test cuda paged`.
 
+use super::attention::attention_lse;
 use super::exp::{exp_sum, max};
 use super::f32_slice;
 use crate::attention::{attention_reference, AttentionMask};
@@ -35,19 +40,139 @@ use std::borrow::Cow;
 /// order), causal with the queries as the last `T` keys: query row `t` sees keys `0..=L - T + t` where
 /// `L = sum n_i`. Returns `(1, Hq, T, D)` in `q`'s dtype. `Hq % Hkv == 0` (GQA); CPU tensors, f32 or bf16.
 pub fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> Result<Tensor> {
-    let (b, hq, t, d) = q.dims4()?;
     let (hkv, lens) = check_blocks(q, blocks)?;
-    let total: usize = lens.iter().sum();
-    if b != 1 || t == 0 || t > total || hq % hkv != 0 {
-        bail!("paged_attention: q {:?} against {total} cached keys of {hkv} heads: need B = 1, 1 <= T <= keys, Hq % Hkv = 0", q.dims());
-    }
+    let (t, total) = (q.dim(2)?, lens.iter().sum::<usize>());
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
         return cuda::paged_attention(q, blocks, scale);
     }
+    // Row i sees the first `total - t + i + 1` keys.
+    let sights: Vec<Sight> = (0..t).map(|i| Sight { end: total - t + i + 1, hole: (0, 0) }).collect();
+    on_cpu(q, blocks, hkv, &lens, &sights, scale)
+}
+
+/// Attention of the rows of several forks of one cached sequence, in one call: `q (1, Hq, T, D)` holds
+/// runs of `forks[f]` rows, each of which continues the cache alone, and `new = (k, v)`, each
+/// `(1, Hkv, T, D)`, their keys and values, not in the cache. Row `t` of a fork sees every cached key and
+/// the fork's own new keys up to `t`, as if that fork alone had been appended to the cache and attended
+/// with [`paged_attention`]. Returns `(1, Hq, T, D)` in `q`'s dtype; CPU tensors, f32 or bf16.
+///
+/// Why: scoring the options of a constrained choice (15 action names) runs one short fork per option
+/// over the same prompt; as separate sequences each pays its own attention call and copy of the cache's
+/// last block in every layer. On CUDA tensors the forks run one [`paged_attention`] call each (the kernel
+/// has no forks).
+pub fn paged_attention_forks(
+    q: &Tensor,
+    blocks: &[(Tensor, Tensor)],
+    new: (&Tensor, &Tensor),
+    forks: &[usize],
+    scale: f64,
+) -> Result<Tensor> {
+    let t = q.dim(2)?;
+    if forks.iter().sum::<usize>() != t || forks.contains(&0) || new.0.dim(2)? != t {
+        bail!("paged_attention_forks: q {:?} with new keys {:?} split into forks {forks:?}: need forks of at least one row that add up to both", q.dims(), new.0.dims());
+    }
+    if q.device().is_cuda() {
+        return per_fork(q, blocks, new, forks, scale, paged_attention);
+    }
+    let mut all = blocks.to_vec();
+    all.push((new.0.clone(), new.1.clone()));
+    let (hkv, lens) = check_blocks(q, &all)?;
+    let cached = lens.iter().sum::<usize>() - t;
+    if t > ROWS && cached >= t {
+        return forks_by_merge(q, blocks, new, forks, scale);
+    }
+    // Row i of the fork that starts at row s sees the cached keys and new keys s..=i.
+    let mut sights = Vec::with_capacity(t);
+    for (s, n) in starts(forks) {
+        sights.extend((s..s + n).map(|i| Sight { end: cached + i + 1, hole: (cached, cached + s) }));
+    }
+    on_cpu(q, &all, hkv, &lens, &sights, scale)
+}
+
+/// [`paged_attention_forks`] for more rows than one group of [`ROWS`]: every row over the cache in one
+/// attention forward (no mask: the GEMM-like fused kernel, whose products pay at this many rows), the
+/// forks over their own keys in another (causal, block-diagonal over the forks), and the two merged by
+/// their logsumexps, in f64. The cache is concatenated once (the rows of one head must be contiguous).
+fn forks_by_merge(
+    q: &Tensor,
+    blocks: &[(Tensor, Tensor)],
+    (k, v): (&Tensor, &Tensor),
+    forks: &[usize],
+    scale: f64,
+) -> Result<Tensor> {
+    let (keys, values): (Vec<&Tensor>, Vec<&Tensor>) = blocks.iter().map(|(k, v)| (k, v)).unzip();
+    let cached = (Tensor::cat(&keys, 2)?, Tensor::cat(&values, 2)?);
+    let (o1, lse1) = attention_lse(q, &cached.0, &cached.1, AttentionMask::None, scale)?;
+    let cu: Vec<usize> = std::iter::once(0).chain(starts(forks).map(|(s, n)| s + n)).collect();
+    let (o2, lse2) = attention_lse(q, k, v, AttentionMask::CausalBlockDiagonal(&cu), scale)?;
+    let d = q.dim(3)?;
+    // Row r: o = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2), both finite (every row sees a key of each).
+    let mut out = o1;
+    for (r, ((o, &a), &b)) in out.chunks_exact_mut(d).zip(&lse1).zip(&lse2).enumerate() {
+        let m = a.max(b);
+        let (wa, wb) = ((a - m).exp(), (b - m).exp());
+        let (wa, wb) = (wa / (wa + wb), wb / (wa + wb));
+        o.iter_mut().zip(&o2[r * d..][..d]).for_each(|(x, &y)| *x = (*x as f64 * wa + y as f64 * wb) as f32);
+    }
+    Tensor::from_vec(out, q.dims(), &Device::Cpu)?.to_dtype(q.dtype())
+}
+
+/// The twin of [`paged_attention_forks`]: each fork alone, its keys after the blocks, through
+/// [`paged_attention_reference`].
+pub fn paged_attention_forks_reference(
+    q: &Tensor,
+    blocks: &[(Tensor, Tensor)],
+    new: (&Tensor, &Tensor),
+    forks: &[usize],
+    scale: f64,
+) -> Result<Tensor> {
+    per_fork(q, blocks, new, forks, scale, paged_attention_reference)
+}
+
+/// An attention over blocks: [`paged_attention`] or its twin.
+type Attend = fn(&Tensor, &[(Tensor, Tensor)], f64) -> Result<Tensor>;
+
+/// `attend` on each fork's rows with its keys and values after `blocks`, the outputs in order.
+fn per_fork(
+    q: &Tensor,
+    blocks: &[(Tensor, Tensor)],
+    (k, v): (&Tensor, &Tensor),
+    forks: &[usize],
+    scale: f64,
+    attend: Attend,
+) -> Result<Tensor> {
+    let mut outs = Vec::with_capacity(forks.len());
+    for (s, n) in starts(forks) {
+        let mut mine = blocks.to_vec();
+        mine.push((k.narrow(2, s, n)?, v.narrow(2, s, n)?));
+        outs.push(attend(&q.narrow(2, s, n)?, &mine, scale)?);
+    }
+    Tensor::cat(&outs, 2)
+}
+
+/// `(first row, rows)` of each fork.
+fn starts(forks: &[usize]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    forks.iter().scan(0, |s, &n| {
+        *s += n;
+        Some((*s - n, n))
+    })
+}
+
+/// The CPU op: `q (1, Hq, T, D)` over `blocks` (checked: `Hkv` heads, `lens` positions each), row `i`
+/// seeing the keys of `sights[i]`.
+fn on_cpu(
+    q: &Tensor,
+    blocks: &[(Tensor, Tensor)],
+    hkv: usize,
+    lens: &[usize],
+    sights: &[Sight],
+    scale: f64,
+) -> Result<Tensor> {
     if !matches!(q.device(), Device::Cpu) {
         bail!("paged_attention runs on the CPU and CUDA; concatenate the blocks and call attention() elsewhere");
     }
+    let (_, hq, t, d) = q.dims4()?;
     // A narrowed block (a cut prefix) is copied; a contiguous one is shared.
     let blocks = &blocks.iter().map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?))).collect::<Result<Vec<_>>>()?;
     let q32 = q.to_dtype(DType::F32)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
@@ -56,13 +181,13 @@ pub fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> R
     let values: Vec<_> = blocks.iter().map(|(_, v)| v.storage_and_layout()).collect();
     let (ks, vs) = (widened(&keys)?, widened(&values)?);
     let rep = hq / hkv;
-    let src = Source { keys: &ks, values: &vs, lens: &lens, d };
+    let src = Source { keys: &ks, values: &vs, lens, d };
     let mut out = vec![0f32; hq * t * d];
-    // One task per query head: its T rows, of which row i sees the first `total - t + i + 1` keys.
+    // One task per query head: its T rows, [`ROWS`] at a time.
     out.par_chunks_mut(t * d).enumerate().for_each(|(h, o)| {
         let rows: Vec<f32> = q32[h * t * d..][..t * d].iter().map(|&x| x * scale as f32).collect();
         for (r0, (qr, or)) in rows.chunks(ROWS * d).zip(o.chunks_mut(ROWS * d)).enumerate() {
-            head_rows(&src, h / rep, qr, total - t + r0 * ROWS + 1, or);
+            head_rows(&src, h / rep, qr, &sights[r0 * ROWS..], or);
         }
     });
     // (Hq * T * D) -> (1, Hq, T, D)
@@ -143,9 +268,9 @@ pub fn paged_attention_reference(q: &Tensor, blocks: &[(Tensor, Tensor)], scale:
 }
 
 /// `(Hkv, n_i per block)`, after checking that every block is `(1, Hkv, n, D)` with `D` of `q`, in `q`'s
-/// dtype, keys and values alike.
+/// dtype, keys and values alike, and that `q (1, Hq, T, D)` has `Hq % Hkv == 0` and `1 <= T <= sum n_i`.
 fn check_blocks(q: &Tensor, blocks: &[(Tensor, Tensor)]) -> Result<(usize, Vec<usize>)> {
-    let d = q.dim(3)?;
+    let (b, hq, t, d) = q.dims4()?;
     let mut hkv = None;
     let mut lens = Vec::with_capacity(blocks.len());
     for (i, (k, v)) in blocks.iter().enumerate() {
@@ -164,10 +289,12 @@ fn check_blocks(q: &Tensor, blocks: &[(Tensor, Tensor)]) -> Result<(usize, Vec<u
         }
         lens.push(n);
     }
-    match hkv {
-        Some(h) => Ok((h, lens)),
-        None => bail!("paged_attention: no cached blocks"),
+    let Some(hkv) = hkv else { bail!("paged_attention: no cached blocks") };
+    let total: usize = lens.iter().sum();
+    if b != 1 || t == 0 || t > total || hq % hkv != 0 {
+        bail!("paged_attention: q {:?} against {total} cached keys of {hkv} heads: need B = 1, 1 <= T <= keys, Hq % Hkv = 0", q.dims());
     }
+    Ok((hkv, lens))
 }
 
 /// Each locked block storage as a contiguous f32 slice: borrowed for f32, widened for bf16.
@@ -197,26 +324,44 @@ struct Source<'a> {
     d: usize,
 }
 
-/// Attention of up to [`ROWS`] query rows `q (n, d)` (already scaled) of kv head `g`: row `r` sees the
-/// first `visible + r` keys. Writes `out (n, d)`.
-fn head_rows(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32]) {
+/// The keys one query row sees: those before `end`, but for the `hole` `[from, to)` (the rows of other
+/// forks; empty for a plain sequence).
+#[derive(Clone, Copy, Debug)]
+struct Sight {
+    end: usize,
+    hole: (usize, usize),
+}
+
+impl Sight {
+    /// The parts of keys `a..b` this row sees, as offsets from `a`: at most two, the one before the hole
+    /// and the one after it.
+    fn parts(&self, a: usize, b: usize) -> [(usize, usize); 2] {
+        let (e, (h0, h1)) = (self.end.min(b), self.hole);
+        let part = |x: usize, y: usize| if x < y { (x - a, y - a) } else { (0, 0) };
+        [part(a, e.min(h0)), part(a.max(h1), e)]
+    }
+}
+
+/// Attention of up to [`ROWS`] query rows `q (n, d)` (already scaled) of kv head `g`, row `r` seeing the
+/// keys of `sights[r]`. Writes `out (n, d)`.
+fn head_rows(src: &Source, g: usize, q: &[f32], sights: &[Sight], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX-512F and FMA, checked just above.
-        return unsafe { head_rows_avx512(src, g, q, visible, out) };
+        return unsafe { head_rows_avx512(src, g, q, sights, out) };
     }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX2 and FMA, checked just above.
-        return unsafe { head_rows_avx2(src, g, q, visible, out) };
+        return unsafe { head_rows_avx2(src, g, q, sights, out) };
     }
-    head_rows_with(src, g, q, visible, out, dot)
+    head_rows_with(src, g, q, sights, out, dot)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn head_rows_avx512(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32]) {
-    head_rows_with(src, g, q, visible, out, |a, b| dot_avx512(a, b))
+unsafe fn head_rows_avx512(src: &Source, g: usize, q: &[f32], sights: &[Sight], out: &mut [f32]) {
+    head_rows_with(src, g, q, sights, out, |a, b| dot_avx512(a, b))
 }
 
 /// [`dot`] with one 16-lane register of partial sums for `a.len() % 16 == 0` (the compiler splits
@@ -239,8 +384,8 @@ fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn head_rows_avx2(src: &Source, g: usize, q: &[f32], visible: usize, out: &mut [f32]) {
-    head_rows_with(src, g, q, visible, out, dot)
+unsafe fn head_rows_avx2(src: &Source, g: usize, q: &[f32], sights: &[Sight], out: &mut [f32]) {
+    head_rows_with(src, g, q, sights, out, dot)
 }
 
 /// [`head_rows`] with the dot product `dot`: an online softmax over steps of [`KEYS`] keys. Scores and the
@@ -251,7 +396,7 @@ fn head_rows_with(
     src: &Source,
     g: usize,
     q: &[f32],
-    visible: usize,
+    sights: &[Sight],
     out: &mut [f32],
     dot: impl Fn(&[f32], &[f32]) -> f32,
 ) {
@@ -260,7 +405,7 @@ fn head_rows_with(
     let (mut m, mut l) = ([f32::NEG_INFINITY; ROWS], [0f64; ROWS]);
     let mut acc = vec![0f64; n * d];
     let (mut s, mut part) = ([[0f32; KEYS]; ROWS], vec![0f32; d]);
-    let last = visible + n - 1;
+    let last = sights[..n].iter().map(|s| s.end).max().unwrap_or(0);
     let mut j0 = 0;
     for ((kb, vb), &len) in src.keys.iter().zip(src.values).zip(src.lens) {
         let (kb, vb) = (&kb[g * len * d..][..len * d], &vb[g * len * d..][..len * d]);
@@ -274,19 +419,20 @@ fn head_rows_with(
                 }
             }
             for r in 0..n {
-                // Keys j0 + c + j with j < seen are visible to row r.
-                let seen = (visible + r).saturating_sub(j0 + c).min(keys);
-                if seen == 0 {
-                    continue;
+                // Keys j0 + c + j with j in a part are visible to row r.
+                for (lo, hi) in sights[r].parts(j0 + c, j0 + c + keys) {
+                    if lo == hi {
+                        continue;
+                    }
+                    let p = &mut s[r][lo..hi];
+                    let m_new = max(p).max(m[r]);
+                    let rescale = ((m[r] - m_new) as f64).exp();
+                    let step_sum = exp_sum(p, m_new);
+                    weighted_values(p, &vb[(c + lo) * d..], &mut part);
+                    l[r] = l[r] * rescale + step_sum;
+                    acc[r * d..][..d].iter_mut().zip(&part).for_each(|(a, &x)| *a = *a * rescale + x as f64);
+                    m[r] = m_new;
                 }
-                let p = &mut s[r][..seen];
-                let m_new = max(p).max(m[r]);
-                let rescale = ((m[r] - m_new) as f64).exp();
-                let step_sum = exp_sum(p, m_new);
-                weighted_values(p, &vb[c * d..], &mut part);
-                l[r] = l[r] * rescale + step_sum;
-                acc[r * d..][..d].iter_mut().zip(&part).for_each(|(a, &x)| *a = *a * rescale + x as f64);
-                m[r] = m_new;
             }
         }
         j0 += len;
