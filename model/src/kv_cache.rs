@@ -1,8 +1,9 @@
 //! The decoder's KV cache, kept in blocks of [`KV_BLOCK`] positions that caches share by reference, with an
 //! optional pool that bounds the bytes all caches hold together.
 //!
-//! Why blocks: a serving step appends one position per sequence, and a fork (action-name scoring, a
-//! session's next step, a cached prompt prefix) continues from its parent's cache. With one tensor per
+//! Why blocks: a serving step appends one position per sequence, and a fork (a session's next step, a
+//! cached prompt prefix) continues from its parent's cache (the forks that score options append nothing:
+//! [`crate::NewRows::Forks`]). With one tensor per
 //! layer, each append copied the whole cache (`Tensor::cat`) and each fork its own copy of it. Here an
 //! append writes into the last block only (copying at most `KV_BLOCK` positions: the block a fork shares
 //! with its parent is copied when one of them writes into it, never the full ones), and a fork clones a

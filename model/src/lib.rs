@@ -46,5 +46,6 @@ pub use image::{
 pub use kv_cache::{KvCache, KvPool, Reservation, KV_BLOCK};
 pub use model::{mrope_positions, Qwen2Vl};
 pub use peft::{AdapterLayout, LoraConfig};
+pub use text::NewRows;
 pub use train::{master_dtype, StepOptions, StepOutput, TrainExample};
 pub use weights::{CheckpointFiles, Weights};

@@ -9,7 +9,7 @@ use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::image::{ImageProcessorConfig, ProcessedImage};
 use crate::kv_cache::KvCache;
-use crate::text::TextDecoder;
+use crate::text::{NewRows, TextDecoder};
 use crate::vision::VisionTower;
 use crate::weights::{CheckpointFiles, Weights};
 
@@ -274,19 +274,25 @@ impl Qwen2Vl {
         &self,
         embeds: &Tensor,
         positions: &Tensor,
-        lens: &[usize],
+        rows: &[NewRows],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
-        if lens.len() != caches.len() || lens.iter().sum::<usize>() != embeds.dim(1)? {
+        let total: usize = rows.iter().map(NewRows::len).sum();
+        if rows.len() != caches.len() || total != embeds.dim(1)? {
             return Err(ModelError::Prompt(format!(
-                "packed decode: {} lengths summing to {} for {} caches and {} rows",
-                lens.len(),
-                lens.iter().sum::<usize>(),
+                "packed decode: {} lengths summing to {total} for {} caches and {} rows",
+                rows.len(),
                 caches.len(),
                 embeds.dim(1)?
             )));
         }
-        self.text.forward_packed(embeds, positions, lens, caches)
+        if let Some(forks) = rows.iter().find_map(|r| match r {
+            NewRows::Forks(f) if f.is_empty() || f.contains(&0) => Some(f),
+            _ => None,
+        }) {
+            return Err(ModelError::Prompt(format!("packed decode: forks {forks:?}: each needs at least one row")));
+        }
+        self.text.forward_packed(embeds, positions, rows, caches)
     }
 
     pub fn new_cache(&self) -> KvCache {

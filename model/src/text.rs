@@ -28,8 +28,32 @@ struct Layer {
     down: Linear,
 }
 
+/// One packed sequence's new rows: a continuation of its cache, or forks of it.
+#[derive(Clone, Copy, Debug)]
+pub enum NewRows<'a> {
+    /// `n` rows after the cache, appended to it.
+    Append(usize),
+    /// Runs of rows (`forks[f]` each) that each continue the cache alone and are not appended to it: the
+    /// options of a constrained choice, scored in one attention call per layer. Row `t` of a run sees the
+    /// cache and its own run's rows up to `t`.
+    Forks(&'a [usize]),
+}
+
+impl NewRows<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            NewRows::Append(n) => *n,
+            NewRows::Forks(f) => f.iter().sum(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// New rows of a sequence up to which its attention reads the cache's blocks in place (a decode step, a
-/// fork's few tokens); longer runs (prefills) concatenate the blocks and take the GEMM-based attention.
+/// few fed tokens); longer runs (prefills) concatenate the blocks and take the GEMM-based attention.
 const PAGED_ROWS: usize = 4;
 
 pub struct TextDecoder {
@@ -153,8 +177,8 @@ impl TextDecoder {
         self.final_norm(&x, train)
     }
 
-    /// Several sequences in one pass: `embeds (1, N, H)` is their new tokens back to back (`lens[i]` rows
-    /// each, `N = sum(lens)`), `positions (3, 1, N)` likewise, and `caches[i]` is sequence `i`'s cache.
+    /// Several sequences in one pass: `embeds (1, N, H)` is their new tokens back to back (`rows[i]` of
+    /// sequence `i`, `N` in all), `positions (3, 1, N)` likewise, and `caches[i]` is sequence `i`'s cache.
     /// Norms, projections and MLPs run once over all `N` rows (one GEMM per weight instead of one per
     /// sequence: on a CPU the weights are read once per step, not once per sequence); only attention is
     /// per sequence, over its own cache. Each sequence's rows come out exactly as [`Self::forward`] would
@@ -163,14 +187,14 @@ impl TextDecoder {
         &self,
         embeds: &Tensor,
         positions: &Tensor,
-        lens: &[usize],
+        rows: &[NewRows],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
         let rope = self.rope(positions, embeds.dtype(), embeds.device())?;
         let mut x = embeds.clone();
         caches.iter_mut().for_each(|c| c.fit(self.layers.len()));
         for i in 0..self.layers.len() {
-            x = self.layer_packed(i, &x, &rope, lens, caches)?;
+            x = self.layer_packed(i, &x, &rope, rows, caches)?;
         }
         self.final_norm(&x, None)
     }
@@ -234,19 +258,29 @@ impl TextDecoder {
         i: usize,
         x: &Tensor,
         rope: &(Tensor, Tensor),
-        lens: &[usize],
+        rows: &[NewRows],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
         let (q, k, v) = self.qkv(i, x, rope, None)?;
         let scale = (self.cfg.head_dim() as f64).powf(-0.5);
-        let mut outs = Vec::with_capacity(lens.len());
+        let mut outs = Vec::with_capacity(rows.len());
         let mut start = 0;
-        for (&len, cache) in lens.iter().zip(caches.iter_mut()) {
+        for (new, cache) in rows.iter().zip(caches.iter_mut()) {
             // (1, n, N, hd) -> this sequence's (1, n, len, hd)
+            let len = new.len();
             let part = |t: &Tensor| t.narrow(2, start, len);
-            let (past, k, v) = (cache.layer_len(i), part(&k)?, part(&v)?);
+            let (past, q, k, v) = (cache.layer_len(i), part(&q)?, part(&k)?, part(&v)?);
+            if let NewRows::Forks(forks) = *new {
+                let blocks = cache.blocks(i);
+                let o = match self.paged_kernels(&q) {
+                    true => askgui_kernels::ops::paged_attention_forks(&q, &blocks, (&k, &v), forks, scale)?,
+                    false => askgui_kernels::ops::paged_attention_forks_reference(&q, &blocks, (&k, &v), forks, scale)?,
+                };
+                outs.push(o);
+                start += len;
+                continue;
+            }
             cache.append(i, &k, &v)?;
-            let q = part(&q)?;
             let o = if self.reads_paged(&q, past)? {
                 askgui_kernels::ops::paged_attention(&q, &cache.blocks(i), scale)?
             } else {
@@ -261,16 +295,19 @@ impl TextDecoder {
     }
 
     /// Whether the attention of `q (B, nh, T, hd)` reads its layer's cache blocks in place (after `past`
-    /// cached positions): a few new rows of one sequence (a decode step, a fork's tokens), f32 or bf16, on a
-    /// device with the paged attention, with askgui's kernels.
+    /// cached positions): a few new rows of one sequence (a decode step, a few fed tokens), on the paged
+    /// kernels ([`Self::paged_kernels`]).
     fn reads_paged(&self, q: &Tensor, past: usize) -> Result<bool> {
         let (b, _, t, _) = q.dims4()?;
-        Ok(past > 0
-            && b == 1
-            && matches!(q.dtype(), DType::F32 | DType::BF16)
-            && t <= PAGED_ROWS
+        Ok(past > 0 && b == 1 && t <= PAGED_ROWS && self.paged_kernels(q))
+    }
+
+    /// Whether the paged attention ops take `q`: f32 or bf16, on a device that has them, with askgui's
+    /// kernels.
+    fn paged_kernels(&self, q: &Tensor) -> bool {
+        matches!(q.dtype(), DType::F32 | DType::BF16)
             && crate::kv_cache::paged_device(q.device())
-            && self.kernels == KernelChoice::Askgui)
+            && self.kernels == KernelChoice::Askgui
     }
 
     /// Layer `i`'s pre-norm and projections: `x (B, T, H)` -> rotated `q (B, nh, T, hd)`, rotated

@@ -1,7 +1,8 @@
 //! The block KV cache: packed decode steps over caches that fork, share a prefix and go on after another
 //! sequence left give the logits of a full forward of each sequence's tokens; the pool's block count is
 //! the blocks alive (shared ones once), returns to zero when every cache is gone (a panicking holder
-//! included), and a full pool refuses with `KvCacheFull`.
+//! included), and a full pool refuses with `KvCacheFull`. Forks of one cache scored in one step give the
+//! logits of full forwards and leave the cache as it was.
 //!
 //! Tolerance for the logits: 1e-6 of the largest logit. The decode steps attend through
 //! `paged_attention` (f64 sums over the blocks in place) and the full forward through the GEMM attention
@@ -12,7 +13,7 @@
 mod common;
 
 use askgui_model::model::positions_tensor;
-use askgui_model::{KvCache, KvPool, ModelError, Qwen2Vl, KV_BLOCK};
+use askgui_model::{KernelChoice, KvCache, KvPool, ModelError, NewRows, Qwen2Vl, KV_BLOCK};
 use candle_core::{DType, Device, Tensor};
 use common::*;
 
@@ -42,7 +43,8 @@ fn step(m: &Qwen2Vl, caches: &mut [&mut KvCache], news: &[&[u32]]) -> Vec<Tensor
     let pos: Vec<[u32; 3]> =
         caches.iter().zip(news).flat_map(|(c, n)| (c.len()..c.len() + n.len()).map(|p| [p as u32; 3])).collect();
     let lens: Vec<usize> = news.iter().map(|n| n.len()).collect();
-    let hidden = m.decode_packed(&embed(m, &rows), &positions_tensor(&[pos], rows.len()).unwrap(), &lens, caches);
+    let appended: Vec<NewRows> = lens.iter().map(|&n| NewRows::Append(n)).collect();
+    let hidden = m.decode_packed(&embed(m, &rows), &positions_tensor(&[pos], rows.len()).unwrap(), &appended, caches);
     let logits = m.logits(&hidden.unwrap().squeeze(0).unwrap()).unwrap();
     let mut out = Vec::new();
     let mut at = 0;
@@ -130,6 +132,68 @@ fn forks_and_shared_prefixes(new_cache: fn(std::sync::Arc<KvPool>) -> KvCache) {
     assert_eq!(pool.blocks_in_use(), 0, "every block goes back when its last cache is dropped");
 }
 
+/// Forks of one cache in one packed step (`NewRows::Forks`, beside a sequence that appends): each fork's
+/// rows give the logits of a full forward of the prompt and that fork alone, and the cache is left as it
+/// was. With askgui's kernels (`paged_attention_forks`) and the reference ones (each fork through the
+/// plain attention), on every cache layout.
+#[test]
+fn forks_score_as_full_forwards_and_leave_the_cache_alone() {
+    for kernels in [KernelChoice::Askgui, KernelChoice::Reference] {
+        let mut m = model();
+        m.set_kernels(kernels);
+        for new_cache in [KvCache::in_pool, KvCache::whole_in_pool, KvCache::unsplit_in_pool] {
+            let pool = KvPool::new(0);
+            let (prompt, other) = (ids(1, 100), ids(2, 40));
+            let (mut a, mut d) = (new_cache(pool.clone()), new_cache(pool.clone()));
+            step(&m, &mut [&mut a, &mut d], &[&prompt, &other]);
+            let forks: [&[u32]; 4] = [&[5, 6, 7, 8, 9], &[10], &[11, 12, 13], &[14, 15, 16, 17, 18, 19, 20]];
+            let lens: Vec<usize> = forks.iter().map(|f| f.len()).collect();
+            let fork_ids = forks.concat();
+            let mut pos: Vec<[u32; 3]> = lens.iter().flat_map(|&n| (100..100 + n as u32).map(|p| [p; 3])).collect();
+            pos.push([40; 3]);
+            let rows: Vec<u32> = fork_ids.iter().copied().chain([21]).collect();
+            let new = [NewRows::Forks(&lens), NewRows::Append(1)];
+            let positions = positions_tensor(&[pos], rows.len()).unwrap();
+            let hidden = m.decode_packed(&embed(&m, &rows), &positions, &new, &mut [&mut a, &mut d]).unwrap();
+            let logits = m.logits(&hidden.squeeze(0).unwrap()).unwrap();
+            let mut at = 0;
+            for (f, fork) in forks.iter().enumerate() {
+                let seq: Vec<u32> = prompt.iter().chain(fork.iter()).copied().collect();
+                let n = fork.len();
+                let want = full_logits(&m, &seq).narrow(0, 100, n).unwrap();
+                close(&format!("{kernels:?}: fork {f}"), &logits.narrow(0, at, n).unwrap(), &want);
+                at += n;
+            }
+            let d_ids: Vec<u32> = other.iter().copied().chain([21]).collect();
+            close(
+                &format!("{kernels:?}: the appending sequence"),
+                &logits.narrow(0, at, 1).unwrap(),
+                &full_logits(&m, &d_ids).narrow(0, 40, 1).unwrap(),
+            );
+            assert_eq!((a.len(), d.len()), (100, 41), "forks append nothing; the other sequence its token");
+            // The cache goes on as if the forks had never run.
+            let next = step(&m, &mut [&mut a], &[&[22]]);
+            let seq: Vec<u32> = prompt.iter().copied().chain([22]).collect();
+            close(
+                &format!("{kernels:?}: after the forks"),
+                &next[0],
+                &full_logits(&m, &seq).narrow(0, 100, 1).unwrap(),
+            );
+        }
+    }
+}
+
+/// Forks without rows are refused with a message, not run.
+#[test]
+fn empty_forks_are_refused() {
+    let m = model();
+    let mut a = m.new_cache();
+    step(&m, &mut [&mut a], &[&ids(1, 10)]);
+    let pos = positions_tensor(&[vec![[10; 3]; 2]], 2).unwrap();
+    let err = m.decode_packed(&embed(&m, &[3, 4]), &pos, &[NewRows::Forks(&[2, 0])], &mut [&mut a]).unwrap_err();
+    assert!(err.to_string().contains("at least one row"), "{err}");
+}
+
 #[test]
 fn blocks_are_counted_once_however_shared_and_returned_whatever_ends_a_sequence() {
     let m = model();
@@ -185,7 +249,7 @@ fn a_full_pool_refuses_new_blocks_and_recovers() {
     let mut b = KvCache::in_pool(pool.clone());
     let n = 4;
     let pos = positions_tensor(&[(0..n).map(|p| [p as u32; 3]).collect()], n).unwrap();
-    let err = m.decode_packed(&embed(&m, &ids(4, n)), &pos, &[n], &mut [&mut b]).unwrap_err();
+    let err = m.decode_packed(&embed(&m, &ids(4, n)), &pos, &[NewRows::Append(n)], &mut [&mut b]).unwrap_err();
     assert!(matches!(err, ModelError::KvCacheFull { capacity } if capacity == 2 * layers), "{err}");
     drop((a, b));
     assert_eq!(pool.blocks_in_use(), 0, "a failed append leaves nothing behind once its cache is dropped");

@@ -8,8 +8,8 @@
 mod common;
 
 use askgui_model::model::positions_tensor;
-use askgui_model::KvCache;
 use askgui_model::Qwen2Vl;
+use askgui_model::{KvCache, NewRows};
 use candle_core::{DType, Device, Tensor};
 use common::*;
 
@@ -65,7 +65,8 @@ fn packed_sequences_equal_one_by_one() {
     let emb = m.embed(&Tensor::from_slice(&rows, (1, total), &Device::Cpu).unwrap(), None).unwrap();
     let positions = positions_tensor(&[pos], total).unwrap();
     let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
-    let packed = m.decode_packed(&emb, &positions, &new, &mut refs).unwrap().squeeze(0).unwrap();
+    let appended: Vec<NewRows> = new.iter().map(|&n| NewRows::Append(n)).collect();
+    let packed = m.decode_packed(&emb, &positions, &appended, &mut refs).unwrap().squeeze(0).unwrap();
     let mut start = 0;
     for (s, &n) in new.iter().enumerate() {
         close(&format!("sequence {s} hidden"), &packed.narrow(0, start, n).unwrap(), &alone[s].0);
@@ -77,7 +78,8 @@ fn packed_sequences_equal_one_by_one() {
         close(&format!("sequence {s} next step"), &a, &b);
         start += n;
     }
-    assert!(m.decode_packed(&emb, &positions, &[1, 2], &mut refs_of(&mut caches)).is_err(), "lengths must add up");
+    let short = [NewRows::Append(1), NewRows::Append(2)];
+    assert!(m.decode_packed(&emb, &positions, &short, &mut refs_of(&mut caches)).is_err(), "lengths must add up");
 }
 
 fn refs_of(c: &mut [KvCache]) -> Vec<&mut KvCache> {

@@ -10,8 +10,7 @@
 use std::collections::HashMap;
 
 use askgui_model::model::positions_tensor;
-use askgui_model::KvCache;
-use askgui_model::Qwen2Vl;
+use askgui_model::{KvCache, NewRows, Qwen2Vl};
 use candle_core::{DType, Tensor};
 
 use crate::cache::ByteCache;
@@ -29,6 +28,10 @@ pub struct Item {
     pub cache: KvCache,
     /// How many of the last rows need logits (1 for the next token; more to score a continuation).
     pub logits_rows: usize,
+    /// Empty: `ids` continue the cache and are appended to it. Else runs of `ids` (`forks[f]` each) that
+    /// each continue the cache alone, none appended: the options of a constrained choice, scored in one
+    /// item ([`NewRows::Forks`]).
+    pub forks: Vec<usize>,
 }
 
 /// The answer to one [`Item`]: its cache with the new tokens appended, and the logits of its last rows.
@@ -159,8 +162,14 @@ impl Packed {
             start += i.ids.len();
         }
         let wanted: Vec<usize> = items.iter().map(|i| i.logits_rows).collect();
+        let forks: Vec<Vec<usize>> = items.iter().map(|i| i.forks.clone()).collect();
+        let new: Vec<NewRows> = lens
+            .iter()
+            .zip(&forks)
+            .map(|(&n, f)| if f.is_empty() { NewRows::Append(n) } else { NewRows::Forks(f) })
+            .collect();
         let mut caches: Vec<&mut KvCache> = items.iter_mut().map(|i| &mut i.cache).collect();
-        let hidden = self.model.decode_packed(&embeds, &positions, &lens, &mut caches)?;
+        let hidden = self.model.decode_packed(&embeds, &positions, &new, &mut caches)?;
         if rows.is_empty() {
             // Only prefill chunks that need no logits yet.
             return Ok(wanted.iter().map(|_| Vec::new()).collect());

@@ -16,8 +16,8 @@ use crate::prefix_cache::PrefixCache;
 pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 256 << 20;
 
 /// Blocks per layer a prompt's admission keeps free beyond the prompt's own: the first tokens of its
-/// answer, and the copy of the last block that each of the 15 action-name forks writes.
-const ANSWER_BLOCKS: usize = 18;
+/// answer. (The forks that score options write none: their rows are not appended.)
+const ANSWER_BLOCKS: usize = 3;
 
 /// Answer length of an agent step when the options do not say.
 pub const DEFAULT_STEP_TOKENS: usize = 128;

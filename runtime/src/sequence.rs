@@ -54,6 +54,7 @@ impl<'f> Seq<'f> {
             images: images[images_before(&key, start)..].to_vec(),
             cache,
             logits_rows: 1,
+            forks: vec![],
         };
         let ItemOut { cache, mut logits } = one(fwd.run(vec![item])?)?;
         rt.prefixes.lock().unwrap_or_else(|p| p.into_inner()).insert(adapter, key, cache.clone());
@@ -63,14 +64,16 @@ impl<'f> Seq<'f> {
     }
 
     /// An item running `tokens` after this sequence (on a copy of its cache), with logits for its last
-    /// `logits_rows` rows.
-    fn item(&self, tokens: &[u32], logits_rows: usize) -> Item {
+    /// `logits_rows` rows: a continuation when `forks` is empty, else forks of these lengths.
+    fn item(&self, tokens: Vec<u32>, logits_rows: usize, forks: Vec<usize>) -> Item {
+        let runs = if forks.is_empty() { vec![tokens.len()] } else { forks.clone() };
         Item {
-            ids: tokens.to_vec(),
-            positions: (0..tokens.len() as u32).map(|i| [self.next + i; 3]).collect(),
+            ids: tokens,
+            positions: runs.iter().flat_map(|&n| (0..n as u32).map(|i| [self.next + i; 3])).collect(),
             images: vec![],
             cache: self.cache.clone(),
             logits_rows,
+            forks,
         }
     }
 
@@ -79,7 +82,7 @@ impl<'f> Seq<'f> {
         if tokens.is_empty() {
             return Ok(());
         }
-        let ItemOut { cache, mut logits } = one(self.fwd.run(vec![self.item(tokens, 1)])?)?;
+        let ItemOut { cache, mut logits } = one(self.fwd.run(vec![self.item(tokens.to_vec(), 1, vec![])])?)?;
         self.cache = cache;
         self.next += tokens.len() as u32;
         self.logits = logits.pop().unwrap_or_default();
@@ -109,12 +112,16 @@ impl<'f> Seq<'f> {
     }
 
     /// `log p(option | sequence)` for each option, without changing the sequence: the options of more
-    /// than one token run together in one forward, each on a copy of the cache.
+    /// than one token run as forks of the cache in one item ([`Item::forks`]).
     pub(crate) fn logprobs(&self, options: &[Vec<u32>]) -> Result<Vec<f64>> {
         // Logits after each of option[..n-1] score option[1..].
-        let forks: Vec<Item> =
-            options.iter().filter(|o| o.len() > 1).map(|o| self.item(&o[..o.len() - 1], o.len() - 1)).collect();
-        let mut outs = if forks.is_empty() { Vec::new() } else { self.fwd.run(forks)? }.into_iter();
+        let heads: Vec<&[u32]> = options.iter().filter(|o| o.len() > 1).map(|o| &o[..o.len() - 1]).collect();
+        let mut rows = Vec::new().into_iter();
+        if !heads.is_empty() {
+            let (ids, forks): (Vec<u32>, Vec<usize>) = (heads.concat(), heads.iter().map(|h| h.len()).collect());
+            let n = ids.len();
+            rows = one(self.fwd.run(vec![self.item(ids, n, forks)])?)?.logits.into_iter();
+        }
         let mut total = Vec::with_capacity(options.len());
         for o in options {
             let Some((&first, rest)) = o.split_first() else {
@@ -122,11 +129,9 @@ impl<'f> Seq<'f> {
                 continue;
             };
             let mut l = log_softmax_at(&self.logits, first);
-            if !rest.is_empty() {
-                let out = outs.next().ok_or_else(|| RuntimeError::Internal("a scoring forward went missing".into()))?;
-                for (row, &tok) in out.logits.iter().zip(rest) {
-                    l += log_softmax_at(row, tok);
-                }
+            for &tok in rest {
+                let row = rows.next().ok_or_else(|| RuntimeError::Internal("a scoring row went missing".into()))?;
+                l += log_softmax_at(&row, tok);
             }
             total.push(l);
         }

@@ -35,8 +35,8 @@ fn runtime() -> &'static (Runtime, Vec<String>) {
 
 /// A forward that favours the tokens continuing `target` (the whole answer, after the prompt):
 /// each token whose text is a prefix of what is left gets `10 + its length`, every other token 0. It
-/// keeps the sequence's tokens by position, so forks (options scored on a copy) and the chosen
-/// continuation each see their own text.
+/// keeps the sequence's tokens by position, so forks (options scored together, [`Item::forks`]) and the
+/// chosen continuation each see their own text.
 struct Steer<'t> {
     texts: &'t [String],
     target: String,
@@ -68,15 +68,22 @@ impl Forward for Steer<'_> {
         let mut outs = Vec::new();
         for it in items {
             let mut seen = self.seen.borrow_mut();
-            for (&id, p) in it.ids.iter().zip(&it.positions) {
-                seen.insert(p[0], id);
-            }
             let last = it.positions.last().expect("tokens")[0];
             // The first item is the prompt: the answer starts after it.
             let end = *self.prompt_end.get().get_or_insert(last);
             self.prompt_end.set(Some(end));
-            let rows = &it.positions[it.ids.len() - it.logits_rows..];
-            let logits = rows.iter().map(|p| self.row(&seen, end, p[0])).collect();
+            // Each fork sees its own tokens: one run after another, each row read after its run is in.
+            let runs = if it.forks.is_empty() { vec![it.ids.len()] } else { it.forks.clone() };
+            let first_wanted = it.ids.len() - it.logits_rows;
+            let (mut logits, mut start) = (Vec::new(), 0);
+            for n in runs {
+                for (&id, p) in it.ids[start..start + n].iter().zip(&it.positions[start..]) {
+                    seen.insert(p[0], id);
+                }
+                let wanted = first_wanted.max(start)..start + n;
+                logits.extend(it.positions[wanted].iter().map(|p| self.row(&seen, end, p[0])));
+                start += n;
+            }
             outs.push(ItemOut { cache: it.cache, logits });
         }
         Ok(outs)

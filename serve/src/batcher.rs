@@ -153,7 +153,14 @@ mod tests {
     use super::*;
 
     fn item() -> Item {
-        Item { ids: vec![1], positions: vec![[0; 3]], images: vec![], cache: KvCache::default(), logits_rows: 1 }
+        Item {
+            ids: vec![1],
+            positions: vec![[0; 3]],
+            images: vec![],
+            cache: KvCache::default(),
+            logits_rows: 1,
+            forks: vec![],
+        }
     }
 
     /// Two jobs: the owner runs one round with both requests, and finishes when both clients are gone.

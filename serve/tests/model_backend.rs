@@ -495,14 +495,15 @@ fn an_int8_model_serves_on_the_cpu() -> anyhow::Result<()> {
 /// The KV block pool (`--kv-cache-mb`) with room for one job: of six jobs started together, the first
 /// admitted runs and the others are refused as busy (503 over HTTP) instead of overrunning the pool; a job
 /// alone afterwards is answered; and with the prefix cache off no block is left once jobs are done, a
-/// cancelled job's included. One step of the tiny model holds about 104 blocks of 8 KiB (a ~1,150-token
-/// prompt in two layers, plus the action-name forks); admission asks for 108, so 150 fit one job, not two.
+/// cancelled job's included. One step of the tiny model holds about 74 blocks of 8 KiB (a ~1,150-token
+/// prompt and its answer in two layers; the action-name forks write none); admission asks for 78, so 100
+/// fit one job, not two.
 #[test]
 fn a_full_kv_cache_refuses_jobs_and_the_backend_recovers() -> anyhow::Result<()> {
-    let one_job = 150.0 * 8192.0 / (1u64 << 20) as f64;
+    let one_job = 100.0 * 8192.0 / (1u64 << 20) as f64;
     let mut b = backend(false)?.with_prefix_cache(0).with_kv_cache_mb(one_job);
     let pool = b.runtime().kv_pool().clone();
-    assert_eq!(pool.capacity(), 150);
+    assert_eq!(pool.capacity(), 100);
     let opts = StepOptions { max_tokens: Some(16), ..Default::default() };
     let (jobs, rxs): (Vec<Job>, Vec<_>) =
         (0..6).map(|_| Job::new(JobKind::Step(step_job("Call mum", opts.clone())), None)).unzip();

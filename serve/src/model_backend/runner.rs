@@ -90,9 +90,9 @@ impl Runner {
         }
     }
 
-    /// Whether a new ticket's prefill runs in chunks.
+    /// Whether a new ticket's prefill runs in chunks (forks never: their rows are not appended).
     fn chunked(&self, t: &Ticket) -> bool {
-        t.items.len() == 1 && t.items[0].ids.len() > self.prefill_chunk
+        t.items.len() == 1 && t.items[0].forks.is_empty() && t.items[0].ids.len() > self.prefill_chunk
     }
 
     /// One round: the new tickets and the held prefills grouped by adapter (an adapter is a model-wide
@@ -240,6 +240,7 @@ impl Runner {
                 images: vec![],
                 cache: std::mem::take(&mut item.cache),
                 logits_rows: if last { item.logits_rows } else { 0 },
+                forks: vec![],
             });
         }
         if let Some(e) = bad {
@@ -331,6 +332,7 @@ mod tests {
             images: vec![],
             cache: KvCache::default(),
             logits_rows,
+            forks: vec![],
         };
         let ticket = Ticket { adapter: None, items: vec![item], reply: std::sync::mpsc::channel().0 };
         Held {
