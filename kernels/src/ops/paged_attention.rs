@@ -59,8 +59,12 @@ pub fn paged_attention(q: &Tensor, blocks: &[(Tensor, Tensor)], scale: f64) -> R
 ///
 /// Why: scoring the options of a constrained choice (15 action names) runs one short fork per option
 /// over the same prompt; as separate sequences each pays its own attention call and copy of the cache's
-/// last block in every layer. On CUDA tensors the forks run one [`paged_attention`] call each (the kernel
-/// has no forks).
+/// last block in every layer.
+///
+/// How: up to four rows (or fewer cached keys than rows), the online softmax of [`paged_attention`]
+/// with each row's hole for the other forks; more rows, `forks_by_merge` (the fused forward twice, merged
+/// by logsumexp). On CUDA tensors the forks run one [`paged_attention`] call each (the kernel has no
+/// forks).
 pub fn paged_attention_forks(
     q: &Tensor,
     blocks: &[(Tensor, Tensor)],
