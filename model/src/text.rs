@@ -269,29 +269,42 @@ impl TextDecoder {
             // (1, n, N, hd) -> this sequence's (1, n, len, hd)
             let len = new.len();
             let part = |t: &Tensor| t.narrow(2, start, len);
-            let (past, q, k, v) = (cache.layer_len(i), part(&q)?, part(&k)?, part(&v)?);
-            if let NewRows::Forks(forks) = *new {
-                let blocks = cache.blocks(i);
-                let o = match self.paged_kernels(&q) {
-                    true => askgui_kernels::ops::paged_attention_forks(&q, &blocks, (&k, &v), forks, scale)?,
-                    false => askgui_kernels::ops::paged_attention_forks_reference(&q, &blocks, (&k, &v), forks, scale)?,
-                };
-                outs.push(o);
-                start += len;
-                continue;
-            }
-            cache.append(i, &k, &v)?;
-            let o = if self.reads_paged(&q, past)? {
-                askgui_kernels::ops::paged_attention(&q, &cache.blocks(i), scale)?
-            } else {
-                // A first prefill attends over its own keys: the cache need not be read back.
-                let (k, v) = if past == 0 { (k, v) } else { cache.keys_values(i)? };
-                crate::layers::attention(&q, &k, &v, AttentionMask::Causal, None, scale, self.kernels)?
-            };
-            outs.push(o);
+            let (q, k, v) = (part(&q)?, part(&k)?, part(&v)?);
+            outs.push(match *new {
+                NewRows::Append(_) => self.appended_attention(i, &q, (k, v), cache, scale)?,
+                NewRows::Forks(forks) => {
+                    let blocks = cache.blocks(i);
+                    match self.paged_kernels(&q) {
+                        true => askgui_kernels::ops::paged_attention_forks(&q, &blocks, (&k, &v), forks, scale)?,
+                        false => {
+                            askgui_kernels::ops::paged_attention_forks_reference(&q, &blocks, (&k, &v), forks, scale)?
+                        }
+                    }
+                }
+            });
             start += len;
         }
         self.attn_out_mlp(i, x, &Tensor::cat(&outs, 2)?, None)
+    }
+
+    /// One sequence's attention in layer `i` after appending its new keys and values to `cache`:
+    /// `q (1, nh, T, hd)` over the cache's blocks in place for a few rows, else over them concatenated.
+    fn appended_attention(
+        &self,
+        i: usize,
+        q: &Tensor,
+        (k, v): (Tensor, Tensor),
+        cache: &mut KvCache,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let past = cache.layer_len(i);
+        cache.append(i, &k, &v)?;
+        if self.reads_paged(q, past)? {
+            return Ok(askgui_kernels::ops::paged_attention(q, &cache.blocks(i), scale)?);
+        }
+        // A first prefill attends over its own keys: the cache need not be read back.
+        let (k, v) = if past == 0 { (k, v) } else { cache.keys_values(i)? };
+        Ok(crate::layers::attention(q, &k, &v, AttentionMask::Causal, None, scale, self.kernels)?)
     }
 
     /// Whether the attention of `q (B, nh, T, hd)` reads its layer's cache blocks in place (after `past`
