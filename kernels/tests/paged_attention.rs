@@ -33,6 +33,15 @@ fn case(
     (q, blocks)
 }
 
+fn f32(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::F32).unwrap()
+}
+
+/// bf16 blocks as f32 (the same values).
+fn widened(blocks: &[(Tensor, Tensor)]) -> Vec<(Tensor, Tensor)> {
+    blocks.iter().map(|(k, v)| (f32(k), f32(v))).collect()
+}
+
 fn max_abs(t: &Tensor) -> f32 {
     t.to_dtype(DType::F32).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
 }
@@ -82,9 +91,7 @@ fn paged_attention_matches_the_concatenated_reference() {
 fn paged_attention_bf16_rounds_its_output_once() {
     let (q, blocks) = case(4, 2, 2, 16, &[64, 9], 3, DType::BF16);
     let got = paged_attention(&q, &blocks, 0.25).unwrap();
-    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-    let wide: Vec<(Tensor, Tensor)> = blocks.iter().map(|(k, v)| (f32(k), f32(v))).collect();
-    let want = paged_attention_reference(&f32(&q), &wide, 0.25).unwrap();
+    let want = paged_attention_reference(&f32(&q), &widened(&blocks), 0.25).unwrap();
     assert_eq!(got.dtype(), DType::BF16);
     let (diff, size) = max_abs_diff(&got, &want);
     assert!(diff <= size / 256.0, "max |diff| {diff} against output scale {size}");
@@ -177,9 +184,8 @@ fn paged_attention_forks_bf16_rounds_its_output_once() {
     let (_, blocks) = case(4, 2, 1, 16, &[32, 32, 3], 90, DType::BF16);
     let (q, k, v) = fork_rows(4, 2, 16, &forks, 91, DType::BF16);
     let got = paged_attention_forks(&q, &blocks, (&k, &v), &forks, 0.25).unwrap();
-    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-    let wide: Vec<(Tensor, Tensor)> = blocks.iter().map(|(k, v)| (f32(k), f32(v))).collect();
-    let want = paged_attention_forks_reference(&f32(&q), &wide, (&f32(&k), &f32(&v)), &forks, 0.25).unwrap();
+    let want =
+        paged_attention_forks_reference(&f32(&q), &widened(&blocks), (&f32(&k), &f32(&v)), &forks, 0.25).unwrap();
     assert_eq!(got.dtype(), DType::BF16);
     let (diff, size) = max_abs_diff(&got, &want);
     assert!(diff <= size / 256.0, "max |diff| {diff} against output scale {size}");

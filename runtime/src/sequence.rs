@@ -66,10 +66,11 @@ impl<'f> Seq<'f> {
     /// An item running `tokens` after this sequence (on a copy of its cache), with logits for its last
     /// `logits_rows` rows: a continuation when `forks` is empty, else forks of these lengths.
     fn item(&self, tokens: Vec<u32>, logits_rows: usize, forks: Vec<usize>) -> Item {
-        let runs = if forks.is_empty() { vec![tokens.len()] } else { forks.clone() };
+        let whole = [tokens.len()];
+        let runs = if forks.is_empty() { &whole[..] } else { &forks[..] };
         Item {
-            ids: tokens,
             positions: runs.iter().flat_map(|&n| (0..n as u32).map(|i| [self.next + i; 3])).collect(),
+            ids: tokens,
             images: vec![],
             cache: self.cache.clone(),
             logits_rows,
