@@ -26,5 +26,7 @@ pub mod tiling;
 
 pub use attention::{attention_reference, AttentionMask};
 pub use norm::{layer_norm_reference, rms_norm_reference};
-pub use rope::{mrope_cos_sin_reference, rope_reference, vision_rope_cos_sin_reference};
+pub use rope::{
+    mrope_cos_sin_reference, mrope_interleaved_cos_sin_reference, rope_reference, vision_rope_cos_sin_reference,
+};
 pub use tiling::{smart_resize, TilingError};
