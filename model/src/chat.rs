@@ -1,7 +1,7 @@
-//! The tokenizer and the Qwen2.5-VL ChatML template with images.
+//! The tokenizer and the Qwen-VL ChatML template with images.
 //!
 //! `<|im_start|>role\n ... <|im_end|>\n` per message, a default system prompt when the first message is
-//! not a system message, an image as `<|vision_start|><|image_pad|><|vision_end|>`, and
+//! not a system message (Qwen2/2.5-VL; Qwen3-VL's template has none, [`crate::Arch::default_system_prompt`]), an image as `<|vision_start|><|image_pad|><|vision_end|>`, and
 //! `<|im_start|>assistant\n` as the generation prompt. After tokenising, each image's single
 //! `<|image_pad|>` is expanded to one pad per merged patch, as the transformers processor does.
 
@@ -10,7 +10,7 @@ use std::path::Path;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 
-pub const DEFAULT_SYSTEM_PROMPT: &str = "You are a helpful assistant.";
+pub const DEFAULT_SYSTEM_PROMPT: &str = crate::config::QWEN2_SYSTEM_PROMPT;
 pub const IMAGE_PLACEHOLDER: &str = "<|vision_start|><|image_pad|><|vision_end|>";
 
 /// One piece of a message.
@@ -37,9 +37,15 @@ impl Message {
 
 /// Renders messages with the Qwen2.5-VL chat template (images as single placeholders).
 pub fn render_chat(messages: &[Message], add_generation_prompt: bool) -> String {
+    render_chat_with(messages, add_generation_prompt, Some(DEFAULT_SYSTEM_PROMPT))
+}
+
+/// [`render_chat`] with a family's default system prompt (`None`: a chat without a system message has
+/// none, as in Qwen3-VL's template).
+pub fn render_chat_with(messages: &[Message], add_generation_prompt: bool, default_system: Option<&str>) -> String {
     let mut s = String::new();
-    if messages.first().is_none_or(|m| m.role != "system") {
-        s.push_str(&format!("<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"));
+    if let Some(system) = default_system.filter(|_| messages.first().is_none_or(|m| m.role != "system")) {
+        s.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
     }
     for m in messages {
         s.push_str(&format!("<|im_start|>{}\n", m.role));

@@ -49,6 +49,18 @@ impl Default for ImageProcessorConfig {
 }
 
 impl ImageProcessorConfig {
+    /// A family's processor when the checkpoint ships none: transformers' class defaults for Qwen2/2.5-VL;
+    /// for Qwen3-VL the released `preprocessor_config.json`'s (16-px patches, mean and std 0.5, `size`
+    /// 65,536 to 16,777,216 pixels).
+    pub fn for_arch(arch: crate::config::Arch) -> Self {
+        let (image_mean, image_std) = arch.image_mean_std();
+        let mut cfg = Self { image_mean, image_std, ..Self::default() };
+        if arch == crate::config::Arch::Qwen3Vl {
+            (cfg.min_pixels, cfg.max_pixels, cfg.geometry.patch_size) = (65_536, 16_777_216, 16);
+        }
+        cfg
+    }
+
     /// The settings the tiling kernels take.
     pub fn tiling(&self) -> TilingConfig {
         TilingConfig {
@@ -60,12 +72,18 @@ impl ImageProcessorConfig {
         }
     }
 
-    /// Reads `preprocessor_config.json` (`min_pixels`/`max_pixels` or `size.shortest_edge/longest_edge`).
+    /// Reads `preprocessor_config.json` (`min_pixels`/`max_pixels` or `size.shortest_edge/longest_edge`),
+    /// with Qwen2/2.5-VL's defaults for what it leaves out.
     pub fn from_file(path: &Path) -> Result<Self> {
+        Self::from_file_over(path, Self::default())
+    }
+
+    /// [`Self::from_file`] with `defaults` for what the file leaves out (see [`Self::for_arch`]).
+    pub fn from_file_over(path: &Path, defaults: Self) -> Result<Self> {
         let err = |reason: String| ModelError::Config { path: path.to_path_buf(), reason };
         let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("invalid JSON: {e}")))?;
-        let mut cfg = Self::default();
+        let mut cfg = defaults;
         let num = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_u64()).map(|x| x as usize);
         if let Some(size) = v.get("size") {
             cfg.min_pixels = num(size, "shortest_edge").unwrap_or(cfg.min_pixels);
@@ -73,9 +91,10 @@ impl ImageProcessorConfig {
         }
         cfg.min_pixels = num(&v, "min_pixels").unwrap_or(cfg.min_pixels);
         cfg.max_pixels = num(&v, "max_pixels").unwrap_or(cfg.max_pixels);
-        cfg.geometry.patch_size = num(&v, "patch_size").unwrap_or(14);
-        cfg.geometry.merge_size = num(&v, "merge_size").unwrap_or(2);
-        cfg.geometry.temporal_patch_size = num(&v, "temporal_patch_size").unwrap_or(2);
+        let g = &mut cfg.geometry;
+        g.patch_size = num(&v, "patch_size").unwrap_or(g.patch_size);
+        g.merge_size = num(&v, "merge_size").unwrap_or(g.merge_size);
+        g.temporal_patch_size = num(&v, "temporal_patch_size").unwrap_or(g.temporal_patch_size);
         let triple = |k: &str, d: [f32; 3]| -> Result<[f32; 3]> {
             match v.get(k).and_then(|x| x.as_array()) {
                 None => Ok(d),
@@ -85,8 +104,8 @@ impl ImageProcessorConfig {
                 Some(_) => Err(err(format!("`{k}` must be three numbers"))),
             }
         };
-        cfg.image_mean = triple("image_mean", CLIP_MEAN)?;
-        cfg.image_std = triple("image_std", CLIP_STD)?;
+        cfg.image_mean = triple("image_mean", cfg.image_mean)?;
+        cfg.image_std = triple("image_std", cfg.image_std)?;
         if cfg.min_pixels > cfg.max_pixels {
             return Err(err(format!("min_pixels {} is larger than max_pixels {}", cfg.min_pixels, cfg.max_pixels)));
         }
@@ -103,7 +122,7 @@ pub struct ProcessedImage {
     pub grid_thw: [usize; 3],
     /// Original `(width, height)`.
     pub original: (usize, usize),
-    /// Resized `(width, height)`, multiples of 28.
+    /// Resized `(width, height)`, multiples of the token side (28, or 32 for Qwen3-VL).
     pub resized: (usize, usize),
 }
 

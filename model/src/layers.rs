@@ -87,6 +87,7 @@ pub fn activation(x: &Tensor, act: VisionAct) -> Result<Tensor> {
         // x * sigmoid(1.702 x)
         VisionAct::QuickGelu => x.mul(&((x * -1.702)?.exp()? + 1.0)?.recip()?),
         VisionAct::Gelu => x.gelu_erf(),
+        VisionAct::GeluTanh => x.gelu(),
     }
 }
 

@@ -35,7 +35,7 @@ pub mod train_ops;
 pub mod vision;
 pub mod weights;
 
-pub use chat::{render_chat, Content, Message, QwenTokenizer};
+pub use chat::{render_chat, render_chat_with, Content, Message, QwenTokenizer};
 pub use config::{Arch, ModelConfig};
 pub use device::{bind_thread, pin_cpu_threads, DTypeChoice, DeviceKind, KernelChoice, LoadOptions, Quantize};
 pub use error::{ModelError, Result};

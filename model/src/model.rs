@@ -117,8 +117,8 @@ impl Qwen2Vl {
             });
         };
         let image_config = match &files.preprocessor {
-            Some(p) => ImageProcessorConfig::from_file(p)?,
-            None => ImageProcessorConfig::default(),
+            Some(p) => ImageProcessorConfig::from_file_over(p, ImageProcessorConfig::for_arch(cfg.arch))?,
+            None => ImageProcessorConfig::for_arch(cfg.arch),
         };
         let mut eos_token_ids = cfg.eos_token_ids.clone();
         for id in files.generation_eos_ids() {
@@ -220,10 +220,21 @@ impl Qwen2Vl {
         self.vision.forward_images(images)
     }
 
-    /// Token embeddings `(B, T, H)` with image features spliced in at the image tokens, in order.
+    /// Token embeddings with image features spliced in at the image tokens, in order: `(B, T, W)`, where
+    /// `W` is [`ModelConfig::embed_width`]: the hidden size, and for DeepStack families the feature sets
+    /// the decoder adds after its first layers, carried beside it (zeros on text rows).
     pub fn embed(&self, ids: &Tensor, image_features: Option<&Tensor>) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let text = self.text.embed(ids)?;
+        let (h, width) = (self.cfg.text.hidden_size, self.cfg.embed_width());
+        // (B, T, H) -> (B, T, W)
+        let text = match width > h {
+            true => Tensor::cat(&[&text, &Tensor::zeros((b, t, width - h), text.dtype(), text.device())?], 2)?,
+            false => text,
+        };
+        if let Some(f) = image_features.filter(|f| f.dims().last() != Some(&width)) {
+            return Err(ModelError::Prompt(format!("image features {:?} are not {width} wide", f.dims())));
+        }
         let flat_ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
         let n_img = flat_ids.iter().filter(|&&x| x == self.cfg.image_token_id).count();
         let have = image_features.map(|f| f.dim(0)).transpose()?.unwrap_or(0);
@@ -234,7 +245,7 @@ impl Qwen2Vl {
         }
         let Some(feat) = image_features.filter(|_| n_img > 0) else { return Ok(text) };
         // One gather over [text rows; image rows]: differentiable, no scatter.
-        let h = self.cfg.text.hidden_size;
+        let h = width;
         let mut k = 0u32;
         let idx: Vec<u32> = flat_ids
             .iter()

@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::config::{Arch, ModelConfig};
+use crate::config::{MlpKind, ModelConfig, NormKind};
 use crate::error::{ModelError, Result};
 
 /// transformers' default `initializer_range`.
@@ -40,7 +40,7 @@ fn layout(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Fill)> {
     };
     let norm = |out: &mut Vec<(String, Vec<usize>, Fill)>, name: &str, dim: usize| {
         out.push((format!("{name}.weight"), vec![dim], Fill::Ones));
-        if cfg.arch == Arch::Qwen2Vl {
+        if cfg.arch.vision_norm() == NormKind::Layer {
             out.push((format!("{name}.bias"), vec![dim], Fill::Zeros));
         }
     };
@@ -51,28 +51,39 @@ fn layout(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Fill)> {
         vec![h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size],
         Fill::Normal,
     ));
+    if cfg.arch.patch_bias() {
+        out.push(("visual.patch_embed.proj.bias".to_string(), vec![h], Fill::Zeros));
+    }
+    if let Some(n) = v.num_position_embeddings {
+        out.push(("visual.pos_embed.weight".to_string(), vec![n, h], Fill::Normal));
+    }
     for b in 0..v.depth {
         let n = format!("visual.blocks.{b}");
         norm(&mut out, &format!("{n}.norm1"), h);
         norm(&mut out, &format!("{n}.norm2"), h);
         linear(&mut out, &format!("{n}.attn.qkv"), h, 3 * h, true);
         linear(&mut out, &format!("{n}.attn.proj"), h, h, true);
-        match cfg.arch {
-            Arch::Qwen25Vl => {
+        match cfg.arch.vision_mlp() {
+            MlpKind::Glu => {
                 linear(&mut out, &format!("{n}.mlp.gate_proj"), h, i, true);
                 linear(&mut out, &format!("{n}.mlp.up_proj"), h, i, true);
                 linear(&mut out, &format!("{n}.mlp.down_proj"), i, h, true);
             }
-            Arch::Qwen2Vl => {
-                linear(&mut out, &format!("{n}.mlp.fc1"), h, i, true);
-                linear(&mut out, &format!("{n}.mlp.fc2"), i, h, true);
+            MlpKind::Plain { fc1, fc2 } => {
+                linear(&mut out, &format!("{n}.mlp.{fc1}"), h, i, true);
+                linear(&mut out, &format!("{n}.mlp.{fc2}"), i, h, true);
             }
         }
     }
     let merged = h * v.spatial_merge_size * v.spatial_merge_size;
-    norm(&mut out, "visual.merger.ln_q", h);
-    linear(&mut out, "visual.merger.mlp.0", merged, merged, true);
-    linear(&mut out, "visual.merger.mlp.2", merged, v.out_hidden_size, true);
+    let [mn, m1, m2] = cfg.arch.merger_names();
+    let mergers = std::iter::once(("visual.merger".to_string(), h))
+        .chain((0..cfg.deepstack()).map(|j| (format!("visual.deepstack_merger_list.{j}"), merged)));
+    for (prefix, norm_dim) in mergers {
+        norm(&mut out, &format!("{prefix}.{mn}"), norm_dim);
+        linear(&mut out, &format!("{prefix}.{m1}"), merged, merged, true);
+        linear(&mut out, &format!("{prefix}.{m2}"), merged, v.out_hidden_size, true);
+    }
 
     let t = &cfg.text;
     let (h, i, hd) = (t.hidden_size, t.intermediate_size, t.head_dim());
@@ -82,9 +93,13 @@ fn layout(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Fill)> {
         let n = format!("model.layers.{l}");
         norm_text(&mut out, &format!("{n}.input_layernorm"), h);
         norm_text(&mut out, &format!("{n}.post_attention_layernorm"), h);
-        linear(&mut out, &format!("{n}.self_attn.q_proj"), h, nq, true);
-        linear(&mut out, &format!("{n}.self_attn.k_proj"), h, nkv, true);
-        linear(&mut out, &format!("{n}.self_attn.v_proj"), h, nkv, true);
+        linear(&mut out, &format!("{n}.self_attn.q_proj"), h, nq, t.qkv_bias);
+        linear(&mut out, &format!("{n}.self_attn.k_proj"), h, nkv, t.qkv_bias);
+        linear(&mut out, &format!("{n}.self_attn.v_proj"), h, nkv, t.qkv_bias);
+        if t.qk_norm {
+            norm_text(&mut out, &format!("{n}.self_attn.q_norm"), hd);
+            norm_text(&mut out, &format!("{n}.self_attn.k_norm"), hd);
+        }
         linear(&mut out, &format!("{n}.self_attn.o_proj"), nq, h, false);
         linear(&mut out, &format!("{n}.mlp.gate_proj"), h, i, false);
         linear(&mut out, &format!("{n}.mlp.up_proj"), h, i, false);
@@ -131,6 +146,7 @@ pub fn random_weights(cfg: &ModelConfig, seed: u64) -> Result<Vec<(String, Tenso
     let dev = Device::Cpu;
     layout(cfg)
         .into_iter()
+        .map(|(name, shape, fill)| (cfg.arch.checkpoint_key(&name), shape, fill))
         .map(|(name, shape, fill)| {
             let t = match fill {
                 Fill::Zeros => Tensor::zeros(shape, DType::F32, &dev)?,

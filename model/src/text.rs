@@ -1,11 +1,16 @@
-//! The Qwen2 text decoder with multimodal rotary positions (M-RoPE), GQA and a KV cache.
+//! The text decoder of every family: Qwen2 or Qwen3 layers with multimodal rotary positions (M-RoPE),
+//! GQA and a KV cache.
 //!
-//! `embeds (B, T, H)` and `positions (3, B, T)` in, hidden states `(B, T, H)` out. Each block is
-//! pre-norm: `x + attn(rms(x))`, then `x + mlp(rms(x))` with a SwiGLU MLP. q/k/v projections carry biases,
-//! o_proj does not (Qwen2). The cache holds keys and values after rotation, so decoding a token costs one
-//! row of attention per layer.
+//! `embeds (B, T, W)` and `positions (3, B, T)` in, hidden states `(B, T, H)` out. Each block is pre-norm:
+//! `x + attn(rms(x))`, then `x + mlp(rms(x))` with a SwiGLU MLP. Qwen2's q/k/v projections carry biases;
+//! Qwen3's do not, and normalise q and k per head (RMSNorm over `head_dim`) before the rotation. The
+//! family's pieces are flags of [`TextConfig`]. DeepStack (Qwen3-VL): the rows carry `W - H` more columns
+//! beside the hidden states, the vision features of earlier blocks (zeros on text rows); layer `i` adds the
+//! first `H` of them to its output and passes the rest on, so after the last such layer the rows are
+//! `(B, T, H)` again. The cache holds keys and values after rotation, so decoding a token costs one row of
+//! attention per layer.
 
-use askgui_kernels::{mrope_cos_sin_reference, AttentionMask};
+use askgui_kernels::{mrope_cos_sin_reference, mrope_interleaved_cos_sin_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::{TextConfig, VisionAct};
@@ -26,6 +31,8 @@ struct Layer {
     gate: Linear,
     up: Linear,
     down: Linear,
+    /// Qwen3's per-head RMSNorm weights `(head_dim,)` for q and k.
+    qk_norm: Option<(Tensor, Tensor)>,
 }
 
 /// One packed sequence's new rows: a continuation of its cache, or forks of it.
@@ -76,13 +83,20 @@ impl TextDecoder {
             layers.push(Layer {
                 input_norm: w.get(&format!("{n}.input_layernorm.weight"), &[h])?,
                 post_norm: w.get(&format!("{n}.post_attention_layernorm.weight"), &[h])?,
-                q: Linear::load(w, &format!("{n}.self_attn.q_proj"), h, nq, true)?,
-                k: Linear::load(w, &format!("{n}.self_attn.k_proj"), h, nkv, true)?,
-                v: Linear::load(w, &format!("{n}.self_attn.v_proj"), h, nkv, true)?,
+                q: Linear::load(w, &format!("{n}.self_attn.q_proj"), h, nq, cfg.qkv_bias)?,
+                k: Linear::load(w, &format!("{n}.self_attn.k_proj"), h, nkv, cfg.qkv_bias)?,
+                v: Linear::load(w, &format!("{n}.self_attn.v_proj"), h, nkv, cfg.qkv_bias)?,
                 o: Linear::load(w, &format!("{n}.self_attn.o_proj"), nq, h, false)?,
                 gate: Linear::load(w, &format!("{n}.mlp.gate_proj"), h, i, false)?,
                 up: Linear::load(w, &format!("{n}.mlp.up_proj"), h, i, false)?,
                 down: Linear::load(w, &format!("{n}.mlp.down_proj"), i, h, false)?,
+                qk_norm: match cfg.qk_norm {
+                    true => Some((
+                        w.get(&format!("{n}.self_attn.q_norm.weight"), &[hd])?,
+                        w.get(&format!("{n}.self_attn.k_norm.weight"), &[hd])?,
+                    )),
+                    false => None,
+                },
             });
         }
         let inv = askgui_kernels::rope::inv_freq(hd, cfg.rope_theta);
@@ -116,6 +130,10 @@ impl TextDecoder {
         for (i, l) in self.layers.iter().enumerate() {
             out.push((format!("model.layers.{i}.input_layernorm.weight"), l.input_norm.clone()));
             out.push((format!("model.layers.{i}.post_attention_layernorm.weight"), l.post_norm.clone()));
+            if let Some((q, k)) = &l.qk_norm {
+                out.push((format!("model.layers.{i}.self_attn.q_norm.weight"), q.clone()));
+                out.push((format!("model.layers.{i}.self_attn.k_norm.weight"), k.clone()));
+            }
         }
         out.push(("model.norm.weight".to_string(), self.norm.clone()));
         out
@@ -127,6 +145,10 @@ impl TextDecoder {
         for (i, l) in self.layers.iter_mut().enumerate() {
             out.push((format!("model.layers.{i}.input_layernorm.weight"), &mut l.input_norm));
             out.push((format!("model.layers.{i}.post_attention_layernorm.weight"), &mut l.post_norm));
+            if let Some((q, k)) = &mut l.qk_norm {
+                out.push((format!("model.layers.{i}.self_attn.q_norm.weight"), q));
+                out.push((format!("model.layers.{i}.self_attn.k_norm.weight"), k));
+            }
         }
         out.push(("model.norm.weight".to_string(), &mut self.norm));
         out
@@ -212,17 +234,56 @@ impl TextDecoder {
 
     /// M-RoPE tables for `positions (3, B, T)`: `(cos, sin)`, each `(B, 1, T, hd)`, shared by all layers.
     pub(crate) fn rope(&self, positions: &Tensor, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
-        let (cos, sin) =
-            mrope_cos_sin_reference(&positions.to_device(&Device::Cpu)?, &self.inv_freq, &self.cfg.mrope_section)?;
+        let (pos, sections) = (positions.to_device(&Device::Cpu)?, &self.cfg.mrope_section);
+        let (cos, sin) = match self.cfg.mrope_interleaved {
+            true => mrope_interleaved_cos_sin_reference(&pos, &self.inv_freq, sections)?,
+            false => mrope_cos_sin_reference(&pos, &self.inv_freq, sections)?,
+        };
         let cos = cos.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
         let sin = sin.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
         Ok((cos, sin))
     }
 
-    /// Layer `i`: `x (B, T, H) -> (B, T, H)`, attention under `mask` then MLP, both pre-norm and
-    /// residual. With a `cache` the layer appends its keys and values to it and attends over all of them. The
-    /// training path passes a causal block-diagonal mask for packed sequences (`B == 1`).
+    /// Layer `i`: `x (B, T, W) -> (B, T, W - H)` (or `(B, T, H)` when no DeepStack features are
+    /// carried): [`Self::block`] over the hidden states, then the first carried feature set added to them.
     pub(crate) fn layer(
+        &self,
+        i: usize,
+        x: &Tensor,
+        rope_mask: (&(Tensor, Tensor), AttentionMask),
+        key_padding: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+        train: Option<&TrainCtx>,
+    ) -> Result<Tensor> {
+        let (h, carried) = self.split_carried(x)?;
+        let y = self.block(i, &h, rope_mask, key_padding, cache, train)?;
+        self.add_carried(y, carried)
+    }
+
+    /// `x (B, T, W)` -> the hidden states `(B, T, H)` and the DeepStack features carried beside them.
+    fn split_carried(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        let (h, w) = (self.cfg.hidden_size, x.dim(2)?);
+        match w > h {
+            true => Ok((x.narrow(2, 0, h)?, Some(x.narrow(2, h, w - h)?))),
+            false => Ok((x.clone(), None)),
+        }
+    }
+
+    /// A layer's output `y (B, T, H)` plus the first carried feature set, with the rest carried on.
+    fn add_carried(&self, y: Tensor, carried: Option<Tensor>) -> Result<Tensor> {
+        let Some(c) = carried else { return Ok(y) };
+        let h = self.cfg.hidden_size;
+        let y = (y + c.narrow(2, 0, h)?)?;
+        match c.dim(2)? > h {
+            true => Ok(Tensor::cat(&[&y, &c.narrow(2, h, c.dim(2)? - h)?], 2)?),
+            false => Ok(y),
+        }
+    }
+
+    /// Decoder block `i`: `x (B, T, H) -> (B, T, H)`, attention under `mask` then MLP, both pre-norm and
+    /// residual. With a `cache` the block appends its keys and values to it and attends over all of them.
+    /// The training path passes a causal block-diagonal mask for packed sequences (`B == 1`).
+    fn block(
         &self,
         i: usize,
         x: &Tensor,
@@ -261,7 +322,8 @@ impl TextDecoder {
         rows: &[NewRows],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
-        let (q, k, v) = self.qkv(i, x, rope, None)?;
+        let (x, carried) = self.split_carried(x)?;
+        let (q, k, v) = self.qkv(i, &x, rope, None)?;
         let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         let mut outs = Vec::with_capacity(rows.len());
         let mut start = 0;
@@ -284,7 +346,8 @@ impl TextDecoder {
             });
             start += len;
         }
-        self.attn_out_mlp(i, x, &Tensor::cat(&outs, 2)?, None)
+        let y = self.attn_out_mlp(i, &x, &Tensor::cat(&outs, 2)?, None)?;
+        self.add_carried(y, carried)
     }
 
     /// One sequence's attention in layer `i` after appending its new keys and values to `cache`:
@@ -341,10 +404,17 @@ impl TextDecoder {
         };
         let a = self.rms(x, &layer.input_norm, train)?;
         // (B, T, n * hd) -> (B, n, T, hd)
-        let heads = |lin: &Linear, n: usize| -> candle_core::Result<Tensor> {
-            lin.forward_with(&a, train)?.reshape((b, t, n, hd))?.transpose(1, 2)
+        // (B, T, n * hd) -> (B, T, n, hd), normalised per head (Qwen3), -> (B, n, T, hd)
+        let heads = |lin: &Linear, n: usize, norm: Option<&Tensor>| -> candle_core::Result<Tensor> {
+            let x = lin.forward_with(&a, train)?.reshape((b, t, n, hd))?;
+            let x = match norm {
+                Some(w) => self.rms(&x, w, train)?,
+                None => x,
+            };
+            x.transpose(1, 2)
         };
-        Ok((rot(&heads(&layer.q, nh)?)?, rot(&heads(&layer.k, nkv)?)?, heads(&layer.v, nkv)?))
+        let (qn, kn) = layer.qk_norm.as_ref().map(|(q, k)| (Some(q), Some(k))).unwrap_or_default();
+        Ok((rot(&heads(&layer.q, nh, qn)?)?, rot(&heads(&layer.k, nkv, kn)?)?, heads(&layer.v, nkv, None)?))
     }
 
     /// The rest of layer `i` after attention: `o (B, nh, T, hd)` through o_proj onto the residual `x`,

@@ -379,16 +379,18 @@ impl Qwen2Vl {
         self.base_tensors().into_iter().map(|(n, t)| Ok((n, Var::from_tensor(&t)?))).collect()
     }
 
-    /// The base weights in the hub layout (the patch embedding back in its 5-D conv shape); with adapters
-    /// unmerged these are the weights the model was loaded with or trained to.
+    /// The base weights under the family's checkpoint keys ([`crate::Arch::checkpoint_key`]; the patch
+    /// embedding back in its 5-D conv shape); with adapters unmerged these are the weights the model was
+    /// loaded with or trained to.
     pub fn base_checkpoint_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let v = &self.cfg.vision;
         let conv = [v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size];
+        let arch = self.cfg.arch;
         self.base_tensors()
             .into_iter()
             .map(|(n, t)| match n.as_str() {
-                "visual.patch_embed.proj.weight" => Ok((n, t.reshape(conv.as_slice())?)),
-                _ => Ok((n, t)),
+                "visual.patch_embed.proj.weight" => Ok((arch.checkpoint_key(&n), t.reshape(conv.as_slice())?)),
+                _ => Ok((arch.checkpoint_key(&n), t)),
             })
             .collect()
     }
@@ -539,8 +541,9 @@ impl Qwen2Vl {
             match region.take_if(|_| i == region_at) {
                 Some((rows, labels, ones)) => stages.push(Stage::with_side_loss(has_params, move |x: &Tensor| {
                     let y = self.text.layer(i, x, (&rope, decoder_mask(cu.as_deref())), None, None, Some(ctx))?;
-                    // (B, T, H) -> (B T, H) -> (K, H): the region rows, through the final norm and the head.
-                    let h = y.reshape((b * t, ()))?.index_select(&rows, 0)?;
+                    // (B, T, H) -> (B T, H) -> (K, H): the region rows, through the final norm and the head
+                    // (DeepStack features still carried beside them left out).
+                    let h = y.narrow(2, 0, self.cfg.text.hidden_size)?.reshape((b * t, ()))?.index_select(&rows, 0)?;
                     let logits = lm_head(&self.text.final_norm(&h, Some(ctx))?)?;
                     let side = (ctx.cross_entropy(&logits, &labels, &ones)? * region_weight)?;
                     Ok((y, side))

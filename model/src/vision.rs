@@ -1,19 +1,23 @@
-//! The vision tower of Qwen2-VL and Qwen2.5-VL: patch embedding, 2D rotary, transformer blocks, patch
-//! merger.
+//! The vision tower of every family: patch embedding, 2D rotary, transformer blocks, patch merger.
 //!
-//! Both take `pixel_values (P, 3 * 2 * 14 * 14)` and the images' `grid_thw`, and return one embedding per
-//! merged 2x2 patch group `(P / 4, text_hidden)`. Qwen2-VL blocks are LayerNorm + GELU MLP and attend over
-//! each whole image. Qwen2.5-VL blocks are RMSNorm + SwiGLU; most attend inside windows of
-//! `window_size / 28` merged patches a side, the blocks in `fullatt_block_indexes` over the whole image.
-//! For windows, rows are first permuted window by window (so that each window is a contiguous segment
-//! of a block-diagonal attention) and permuted back after the merger (Qwen2.5-VL report, section 2.1.1).
+//! It takes `pixel_values (P, 3 * 2 * p * p)` and the images' `grid_thw`, and returns one embedding per
+//! merged 2x2 patch group `(P / 4, W)`. Qwen2-VL blocks are LayerNorm + GELU MLP and attend over each
+//! whole image. Qwen2.5-VL blocks are RMSNorm + SwiGLU; most attend inside windows of `window_size / 28`
+//! merged patches a side, the blocks in `fullatt_block_indexes` over the whole image. For windows, rows are
+//! first permuted window by window (so that each window is a contiguous segment of a block-diagonal
+//! attention) and permuted back after the merger (Qwen2.5-VL report, section 2.1.1). Qwen3-VL adds a learned
+//! position table, bilinearly resampled to each image's grid, to the patch embeddings, and DeepStack: the
+//! outputs of the blocks in `deepstack_visual_indexes` go through mergers of their own (LayerNorm after
+//! the 2x2 shuffle), and their features are returned beside the main ones, `W = (1 + k) * text_hidden`
+//! (Qwen3-VL report; DeepStack, arXiv 2406.04334). Blocks carry the captured outputs as extra columns of
+//! their rows, so the tower stays a chain of row-wise stages for recomputation.
 
 use std::ops::Range;
 
 use askgui_kernels::AttentionMask;
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{Arch, VisionConfig};
+use crate::config::{Arch, MlpKind, NormKind, VisionConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::image::ProcessedImage;
@@ -21,18 +25,18 @@ use crate::layers::{activation, Linear};
 use crate::train_ops::TrainCtx;
 use crate::weights::Weights;
 
-/// RMSNorm (Qwen2.5-VL) or LayerNorm (Qwen2-VL), eps 1e-6 in both.
+/// RMSNorm (Qwen2.5-VL) or LayerNorm (Qwen2-VL, Qwen3-VL), eps 1e-6 in all.
 enum Norm {
     Rms(Tensor),
     Layer(Tensor, Tensor),
 }
 
 impl Norm {
-    fn load(w: &Weights, name: &str, dim: usize, arch: Arch) -> Result<Self> {
+    fn load(w: &Weights, name: &str, dim: usize, kind: NormKind) -> Result<Self> {
         let weight = w.get(&format!("{name}.weight"), &[dim])?;
-        Ok(match arch {
-            Arch::Qwen25Vl => Norm::Rms(weight),
-            Arch::Qwen2Vl => Norm::Layer(weight, w.get(&format!("{name}.bias"), &[dim])?),
+        Ok(match kind {
+            NormKind::Rms => Norm::Rms(weight),
+            NormKind::Layer => Norm::Layer(weight, w.get(&format!("{name}.bias"), &[dim])?),
         })
     }
     fn forward(&self, x: &Tensor, train: Option<&TrainCtx>, kernels: KernelChoice) -> candle_core::Result<Tensor> {
@@ -68,8 +72,47 @@ impl Norm {
 enum Mlp {
     /// Qwen2.5-VL: `down(act(gate(x)) * up(x))`.
     Glu { gate: Linear, up: Linear, down: Linear },
-    /// Qwen2-VL: `fc2(act(fc1(x)))`.
+    /// Qwen2-VL, Qwen3-VL: `fc2(act(fc1(x)))`.
     Plain { fc1: Linear, fc2: Linear },
+}
+
+/// A patch merger: `norm`, then the 2x2 groups' rows side by side through `fc2(gelu(fc1(.)))`. The main
+/// merger normalises each patch row before the shuffle; a DeepStack merger the shuffled row
+/// (`post_shuffle`, Qwen3-VL's `use_postshuffle_norm`).
+struct Merger {
+    /// The norm's checkpoint name, e.g. `visual.merger.ln_q`.
+    norm_name: String,
+    norm: Norm,
+    fc1: Linear,
+    fc2: Linear,
+    post_shuffle: bool,
+}
+
+impl Merger {
+    /// `prefix` e.g. `visual.merger` or `visual.deepstack_merger_list.0`.
+    fn load(w: &Weights, prefix: &str, cfg: &VisionConfig, arch: Arch, post_shuffle: bool) -> Result<Self> {
+        let [norm, fc1, fc2] = arch.merger_names();
+        let merged = cfg.hidden_size * cfg.spatial_merge_size * cfg.spatial_merge_size;
+        let norm_dim = if post_shuffle { merged } else { cfg.hidden_size };
+        Ok(Self {
+            norm_name: format!("{prefix}.{norm}"),
+            norm: Norm::load(w, &format!("{prefix}.{norm}"), norm_dim, arch.vision_norm())?,
+            fc1: Linear::load(w, &format!("{prefix}.{fc1}"), merged, merged, true)?,
+            fc2: Linear::load(w, &format!("{prefix}.{fc2}"), merged, cfg.out_hidden_size, true)?,
+            post_shuffle,
+        })
+    }
+
+    /// `x (P, hidden) -> (P / unit, out)`, rows in the order they come.
+    fn forward(&self, x: &Tensor, unit: usize, train: Option<&TrainCtx>, kernels: KernelChoice) -> Result<Tensor> {
+        let (p, hidden) = x.dims2()?;
+        // (P, hidden) -> (P / unit, unit * hidden), normalised before or after the shuffle
+        let merged = match self.post_shuffle {
+            false => self.norm.forward(x, train, kernels)?.reshape((p / unit, unit * hidden))?,
+            true => self.norm.forward(&x.reshape((p / unit, unit * hidden))?, train, kernels)?,
+        };
+        Ok(self.fc2.forward_with(&self.fc1.forward_with(&merged, train)?.gelu_erf()?, train)?)
+    }
 }
 
 struct Block {
@@ -84,10 +127,14 @@ pub struct VisionTower {
     cfg: VisionConfig,
     /// Conv3d weight flattened to `(hidden, 3 * t * p * p)`: a stride-equals-kernel conv is a matmul.
     patch_embed: Tensor,
+    /// The Conv3d's bias `(hidden,)` (Qwen3-VL).
+    patch_bias: Option<Tensor>,
+    /// The learned square position table `(side^2, hidden)` (Qwen3-VL).
+    pos_embed: Option<Tensor>,
     blocks: Vec<Block>,
-    ln_q: Norm,
-    merger_fc1: Linear,
-    merger_fc2: Linear,
+    merger: Merger,
+    /// One merger per DeepStack block, in block order.
+    deepstack: Vec<Merger>,
     /// `(head_dim / 4,)` rotary frequencies shared by the h and w axes.
     inv_freq: Tensor,
     /// The ops of the inference path; the training path takes them from its [`TrainCtx`].
@@ -127,6 +174,8 @@ impl VisionPrep {
 
 /// Patch coordinates and attention segments of a batch of images.
 pub(crate) struct Layout {
+    /// The images' grids, as given.
+    grids: Vec<[usize; 3]>,
     /// `(P, 2)` (row, column) of each patch, in pixel_values order.
     hw: Vec<f32>,
     /// Boundaries of whole images (per temporal frame).
@@ -147,34 +196,43 @@ impl VisionTower {
         let mut blocks = Vec::with_capacity(cfg.depth);
         for b in 0..cfg.depth {
             let n = format!("visual.blocks.{b}");
-            let mlp = match arch {
-                Arch::Qwen25Vl => Mlp::Glu {
+            let mlp = match arch.vision_mlp() {
+                MlpKind::Glu => Mlp::Glu {
                     gate: Linear::load(w, &format!("{n}.mlp.gate_proj"), h, i, true)?,
                     up: Linear::load(w, &format!("{n}.mlp.up_proj"), h, i, true)?,
                     down: Linear::load(w, &format!("{n}.mlp.down_proj"), i, h, true)?,
                 },
-                Arch::Qwen2Vl => Mlp::Plain {
-                    fc1: Linear::load(w, &format!("{n}.mlp.fc1"), h, i, true)?,
-                    fc2: Linear::load(w, &format!("{n}.mlp.fc2"), i, h, true)?,
+                MlpKind::Plain { fc1, fc2 } => Mlp::Plain {
+                    fc1: Linear::load(w, &format!("{n}.mlp.{fc1}"), h, i, true)?,
+                    fc2: Linear::load(w, &format!("{n}.mlp.{fc2}"), i, h, true)?,
                 },
             };
             blocks.push(Block {
-                norm1: Norm::load(w, &format!("{n}.norm1"), h, arch)?,
-                norm2: Norm::load(w, &format!("{n}.norm2"), h, arch)?,
+                norm1: Norm::load(w, &format!("{n}.norm1"), h, arch.vision_norm())?,
+                norm2: Norm::load(w, &format!("{n}.norm2"), h, arch.vision_norm())?,
                 qkv: Linear::load(w, &format!("{n}.attn.qkv"), h, 3 * h, true)?,
                 proj: Linear::load(w, &format!("{n}.attn.proj"), h, h, true)?,
                 mlp,
             });
         }
-        let merged = h * cfg.spatial_merge_size * cfg.spatial_merge_size;
+        let deepstack = (0..cfg.deepstack_visual_indexes.len())
+            .map(|j| Merger::load(w, &format!("visual.deepstack_merger_list.{j}"), cfg, arch, true))
+            .collect::<Result<_>>()?;
         let inv: Vec<f32> = askgui_kernels::rope::inv_freq(cfg.head_dim() / 2, cfg.rope_theta);
         Ok(Self {
             cfg: cfg.clone(),
             patch_embed,
+            patch_bias: match arch.patch_bias() {
+                true => Some(w.get("visual.patch_embed.proj.bias", &[h])?),
+                false => None,
+            },
+            pos_embed: match cfg.num_position_embeddings {
+                Some(n) => Some(w.get("visual.pos_embed.weight", &[n, h])?),
+                None => None,
+            },
             blocks,
-            ln_q: Norm::load(w, "visual.merger.ln_q", h, arch)?,
-            merger_fc1: Linear::load(w, "visual.merger.mlp.0", merged, merged, true)?,
-            merger_fc2: Linear::load(w, "visual.merger.mlp.2", merged, cfg.out_hidden_size, true)?,
+            merger: Merger::load(w, "visual.merger", cfg, arch, false)?,
+            deepstack,
             inv_freq: Tensor::new(inv.as_slice(), &Device::Cpu)?,
             kernels: KernelChoice::default(),
         })
@@ -183,7 +241,8 @@ impl VisionTower {
     fn layout(&self, grid_thw: &[[usize; 3]]) -> Layout {
         let m = self.cfg.spatial_merge_size;
         let unit = m * m;
-        let mut l = Layout { hw: vec![], cu_full: vec![0], cu_window: vec![0], window_index: vec![] };
+        let mut l =
+            Layout { grids: grid_thw.to_vec(), hw: vec![], cu_full: vec![0], cu_window: vec![0], window_index: vec![] };
         let mut group_offset = 0usize;
         for &[t, h, w] in grid_thw {
             for _ in 0..t {
@@ -231,8 +290,13 @@ impl VisionTower {
                 Mlp::Plain { fc1, fc2 } => out.extend([fc1, fc2]),
             }
         }
-        out.extend([&self.merger_fc1, &self.merger_fc2]);
+        out.extend(self.merger_linears());
         out
+    }
+
+    /// The linears of the main merger, then of each DeepStack merger.
+    fn merger_linears(&self) -> Vec<&Linear> {
+        std::iter::once(&self.merger).chain(&self.deepstack).flat_map(|m| [&m.fc1, &m.fc2]).collect()
     }
 
     /// [`Self::linears`], mutable (same order).
@@ -246,7 +310,9 @@ impl VisionTower {
                 Mlp::Plain { fc1, fc2 } => out.extend([fc1, fc2]),
             }
         }
-        out.extend([&mut self.merger_fc1, &mut self.merger_fc2]);
+        for m in std::iter::once(&mut self.merger).chain(&mut self.deepstack) {
+            out.extend([&mut m.fc1, &mut m.fc2]);
+        }
         out
     }
 
@@ -296,7 +362,7 @@ impl VisionTower {
                 }
                 out
             }
-            None => vec![&self.merger_fc1, &self.merger_fc2],
+            None => self.merger_linears(),
         }
     }
 
@@ -337,7 +403,7 @@ impl VisionTower {
         }
         let parts: Vec<&[f32]> = images.iter().map(|i| i.pixel_values.as_slice()).collect();
         self.prepare_embedded(&grids, |layout| {
-            self.window_order(askgui_kernels::ops::linear_parts(&parts, &self.patch_embed)?, layout)
+            self.finish_patches(askgui_kernels::ops::linear_parts(&parts, &self.patch_embed)?, layout)
         })
     }
 
@@ -375,7 +441,56 @@ impl VisionTower {
     /// [`Self::prepare`] leaves them). Differentiable in the patch embedding (full training).
     pub(crate) fn embed_patches(&self, pixel_values: &Tensor, layout: &Layout) -> Result<Tensor> {
         let x = crate::layers::matmul_t(&pixel_values.to_dtype(self.patch_embed.dtype())?, &self.patch_embed)?;
+        self.finish_patches(x, layout)
+    }
+
+    /// The patch rows `x (P, hidden)` (pixel order) plus the Conv3d's bias and the interpolated position
+    /// table where the family has them, then in window order.
+    fn finish_patches(&self, x: Tensor, layout: &Layout) -> Result<Tensor> {
+        let x = match &self.patch_bias {
+            Some(b) => x.broadcast_add(b)?,
+            None => x,
+        };
+        let x = match &self.pos_embed {
+            Some(table) => (&x + self.positions(table, layout)?.to_dtype(x.dtype())?)?,
+            None => x,
+        };
         self.window_order(x, layout)
+    }
+
+    /// The learned square position table `(side^2, hidden)` resampled to every patch `(P, hidden)`, in the
+    /// layout's patch order: bilinear with aligned corners (transformers' `fast_pos_embed_interpolate`:
+    /// four taps a patch, each axis `src = i * (side - 1) / max(size - 1, 1)`). Differentiable in the table.
+    fn positions(&self, table: &Tensor, layout: &Layout) -> Result<Tensor> {
+        let side = (table.dim(0)? as f64).sqrt().round() as usize;
+        let m = self.cfg.spatial_merge_size;
+        // Per axis: the two taps of target index `i` on an axis of `size`, and their weights.
+        let axis = |i: usize, size: usize| -> [(usize, f32); 2] {
+            let src = (i as f32 * (side - 1) as f32) / (size.max(2) - 1) as f32;
+            let f = src.floor();
+            [0usize, 1].map(|o| ((f as usize + o).min(side - 1), (1.0 - (src - (f + o as f32)).abs()).max(0.0)))
+        };
+        let (mut idx, mut wts) = (Vec::new(), Vec::new());
+        for &[t, h, w] in &layout.grids {
+            for _ in 0..t {
+                for (bh, bw, mh, mw) in (0..h / m).flat_map(|bh| {
+                    (0..w / m).flat_map(move |bw| (0..m).flat_map(move |mh| (0..m).map(move |mw| (bh, bw, mh, mw))))
+                }) {
+                    let (rows, cols) = (axis(bh * m + mh, h), axis(bw * m + mw, w));
+                    for (r, wr) in rows {
+                        for (c, wc) in cols {
+                            idx.push((r * side + c) as u32);
+                            wts.push(wr * wc);
+                        }
+                    }
+                }
+            }
+        }
+        let (p, dev) = (idx.len() / 4, table.device());
+        // (4P,) rows of the table -> (P, 4, hidden), weighted -> (P, hidden)
+        let rows = table.index_select(&Tensor::from_vec(idx, 4 * p, dev)?, 0)?.reshape((p, 4, ()))?;
+        let wts = Tensor::from_vec(wts, (p, 4, 1), dev)?.to_dtype(rows.dtype())?;
+        Ok(rows.broadcast_mul(&wts)?.sum(1)?)
     }
 
     /// Patch rows `(P, ..)` from pixel order into window order (Qwen2.5-VL; unchanged without windows).
@@ -400,8 +515,34 @@ impl VisionTower {
     }
 
     /// Block `i` over the patch rows `rows` alone (`x` holds those rows): `rows` must start and end on
-    /// frame boundaries ([`VisionPrep::frame_ranges`]), where attention does not cross.
+    /// frame boundaries ([`VisionPrep::frame_ranges`]), where attention does not cross. `x` is
+    /// `(rows, hidden * (1 + c))`: the hidden states, then the `c` DeepStack outputs captured so far, which
+    /// pass through; a DeepStack block appends its own output to them.
     pub(crate) fn block_rows(
+        &self,
+        i: usize,
+        x: &Tensor,
+        prep: &VisionPrep,
+        rows: &Range<usize>,
+        train: Option<&TrainCtx>,
+    ) -> Result<Tensor> {
+        let (hidden, width) = (self.cfg.hidden_size, x.dim(1)?);
+        let y = self.block_hidden(i, &x.narrow(1, 0, hidden)?, prep, rows, train)?;
+        let mut parts = vec![y.clone()];
+        if width > hidden {
+            parts.push(x.narrow(1, hidden, width - hidden)?);
+        }
+        if self.cfg.deepstack_visual_indexes.contains(&i) {
+            parts.push(y);
+        }
+        Ok(match parts.len() {
+            1 => parts.remove(0),
+            _ => Tensor::cat(&parts, 1)?,
+        })
+    }
+
+    /// [`Self::block_rows`] over the hidden states `(rows, hidden)` alone.
+    fn block_hidden(
         &self,
         i: usize,
         x: &Tensor,
@@ -434,14 +575,27 @@ impl VisionTower {
         Ok((x + mlp)?)
     }
 
-    /// The patch merger: `x (P, hidden) -> (P / merge^2, out_hidden)`, back in the images' row order.
+    /// The patch merger: `x (P, hidden * (1 + k))` (the last block's output and the `k` DeepStack captures)
+    /// -> `(P / merge^2, out_hidden * (1 + k))`, the main features then each DeepStack set, back in the
+    /// images' row order.
     pub(crate) fn merge(&self, x: &Tensor, prep: &VisionPrep, train: Option<&TrainCtx>) -> Result<Tensor> {
-        let unit = self.cfg.spatial_merge_size.pow(2);
+        let (unit, hidden) = (self.cfg.spatial_merge_size.pow(2), self.cfg.hidden_size);
         let p = x.dim(0)?;
-        // (P, hidden) -> (P / unit, unit * hidden) -> (P / unit, out)
-        let merged = self.ln_q.forward(x, train, self.kernels)?.reshape((p / unit, unit * self.cfg.hidden_size))?;
-        let mut out =
-            self.merger_fc2.forward_with(&self.merger_fc1.forward_with(&merged, train)?.gelu_erf()?, train)?;
+        if x.dim(1)? != hidden * (1 + self.deepstack.len()) {
+            return Err(ModelError::Generation(format!(
+                "vision merger: rows of width {} for {} DeepStack mergers of width {hidden}",
+                x.dim(1)?,
+                self.deepstack.len()
+            )));
+        }
+        let mut outs = vec![self.merger.forward(&x.narrow(1, 0, hidden)?, unit, train, self.kernels)?];
+        for (j, m) in self.deepstack.iter().enumerate() {
+            outs.push(m.forward(&x.narrow(1, hidden * (1 + j), hidden)?, unit, train, self.kernels)?);
+        }
+        let mut out = match outs.len() {
+            1 => outs.remove(0),
+            _ => Tensor::cat(&outs, 1)?,
+        };
         if self.cfg.window_size.is_some() {
             let window_index = &prep.layout.window_index;
             let mut inverse = vec![0u32; window_index.len()];
@@ -500,7 +654,15 @@ impl VisionTower {
             b.norm1.tensors(&format!("visual.blocks.{i}.norm1"), &mut out);
             b.norm2.tensors(&format!("visual.blocks.{i}.norm2"), &mut out);
         }
-        self.ln_q.tensors("visual.merger.ln_q", &mut out);
+        for m in std::iter::once(&self.merger).chain(&self.deepstack) {
+            m.norm.tensors(&m.norm_name, &mut out);
+        }
+        if let Some(b) = &self.patch_bias {
+            out.push(("visual.patch_embed.proj.bias".to_string(), b.clone()));
+        }
+        if let Some(t) = &self.pos_embed {
+            out.push(("visual.pos_embed.weight".to_string(), t.clone()));
+        }
         out
     }
 
@@ -511,7 +673,15 @@ impl VisionTower {
             b.norm1.tensors_mut(&format!("visual.blocks.{i}.norm1"), &mut out);
             b.norm2.tensors_mut(&format!("visual.blocks.{i}.norm2"), &mut out);
         }
-        self.ln_q.tensors_mut("visual.merger.ln_q", &mut out);
+        for m in std::iter::once(&mut self.merger).chain(&mut self.deepstack) {
+            m.norm.tensors_mut(&m.norm_name, &mut out);
+        }
+        if let Some(b) = &mut self.patch_bias {
+            out.push(("visual.patch_embed.proj.bias".to_string(), b));
+        }
+        if let Some(t) = &mut self.pos_embed {
+            out.push(("visual.pos_embed.weight".to_string(), t));
+        }
         out
     }
 

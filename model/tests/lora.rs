@@ -28,9 +28,14 @@ struct Case {
 }
 
 fn case(dir: &str) -> anyhow::Result<Case> {
+    case_with(dir, "lora/peft_logits.safetensors")
+}
+
+/// The case of checkpoint `dir` at the rows of the PEFT logits file `logits`.
+fn case_with(dir: &str, logits: &str) -> anyhow::Result<Case> {
     let st = load_st(&format!("{dir}/case.safetensors"));
     let model = Qwen2Vl::load(fixtures().join(dir).to_str().unwrap(), &Device::Cpu, DType::F32)?;
-    let lo = load_st("lora/peft_logits.safetensors");
+    let lo = load_st(logits);
     let rows = get(&lo, "rows").to_dtype(DType::U32)?;
     Ok(Case {
         model,
@@ -114,6 +119,27 @@ fn peft_adapters_match_peft_and_switch_per_forward() -> anyhow::Result<()> {
     assert!(c.model.set_active_adapter(Some("nope")).unwrap_err().to_string().contains("no adapter named `nope`"));
     c.model.remove_adapter("qv")?;
     assert_eq!(c.model.adapter_names(), ["all"]);
+    Ok(())
+}
+
+/// Qwen3-VL: PEFT adapters over the text, the vision blocks and the main and DeepStack mergers
+/// (`linear_fc1/2` reach all three), and over q/v alone, give PEFT's logits; merged, the same.
+#[test]
+fn qwen3_peft_adapters_match_peft() -> anyhow::Result<()> {
+    let logits = "lora/peft_logits_qwen3_vl.safetensors";
+    let mut c = case_with("tiny-qwen3_vl", logits)?;
+    let lo = load_st(logits);
+    c.model.load_adapter("all", fixtures().join("lora/tiny-qwen3_vl-peft"))?;
+    c.model.load_adapter("qv", fixtures().join("lora/tiny-qwen3_vl-peft-qv"))?;
+    let modules = c.model.adapter("all").unwrap().modules.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(modules.len(), 43, "21 text + 16 vision block + 2 merger + 4 DeepStack merger modules");
+    assert!(modules.iter().any(|m| m == "visual.deepstack_merger_list.1.linear_fc2"), "{modules:?}");
+    c.model.set_active_adapter(Some("all"))?;
+    check("qwen3 peft r=4 text, vision and merger targets", &c.logits()?, get(&lo, "logits"));
+    c.model.set_active_adapter(Some("qv"))?;
+    check("qwen3 peft r=2 q/v targets", &c.logits()?, get(&lo, "logits_qv"));
+    c.model.merge_adapter("all")?;
+    check("qwen3 peft r=4, merged", &c.logits()?, get(&lo, "logits"));
     Ok(())
 }
 

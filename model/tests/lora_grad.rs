@@ -26,10 +26,19 @@ struct Case {
     mask: Vec<bool>,
 }
 
+/// The families whose PEFT gradients are fixtures: `(checkpoint, fixture folder)`. Qwen3-VL's adapter
+/// also targets the vision blocks' `linear_fc1/2` and `attn.proj`, which reach the main and the DeepStack
+/// mergers too.
+const KINDS: [(&str, &str); 2] = [("tiny-qwen2_5_vl", "lora/grad"), ("tiny-qwen3_vl", "lora/grad-qwen3_vl")];
+
 fn case() -> anyhow::Result<Case> {
-    let st = load_st("tiny-qwen2_5_vl/case.safetensors");
-    let g = load_st("lora/grad/grads.safetensors");
-    let model = Qwen2Vl::load(fixtures().join("tiny-qwen2_5_vl").to_str().unwrap(), &Device::Cpu, DType::F32)?;
+    case_in(KINDS[0])
+}
+
+fn case_in((ckpt, grad): (&str, &str)) -> anyhow::Result<Case> {
+    let st = load_st(&format!("{ckpt}/case.safetensors"));
+    let g = load_st(&format!("{grad}/grads.safetensors"));
+    let model = Qwen2Vl::load(fixtures().join(ckpt).to_str().unwrap(), &Device::Cpu, DType::F32)?;
     let mask = to_u32(get(&g, "labels_mask")).iter().map(|&m| m != 0).collect();
     Ok(Case {
         model,
@@ -109,8 +118,16 @@ fn new_adapter_has_the_lora_gradient_pattern() -> anyhow::Result<()> {
 
 #[test]
 fn loss_and_gradients_match_peft() -> anyhow::Result<()> {
-    let c = peft_case()?;
-    let want = load_st("lora/grad/grads.safetensors");
+    for kind in KINDS {
+        loss_and_gradients_match_peft_in(kind)?;
+    }
+    Ok(())
+}
+
+fn loss_and_gradients_match_peft_in(kind: (&str, &str)) -> anyhow::Result<()> {
+    let c = peft_case_in(kind)?;
+    let want = load_st(&format!("{}/grads.safetensors", kind.1));
+    eprintln!("{}:", kind.0);
     let loss = c.loss()?;
     let (got_l, want_l) = (loss.to_scalar::<f32>()? as f64, get(&want, "loss").to_scalar::<f32>()? as f64);
     let rel = (got_l - want_l).abs() / want_l.abs();
@@ -223,8 +240,12 @@ fn checkpointing_gives_the_one_graph_gradients() -> anyhow::Result<()> {
 
 /// Loads the PEFT fixture adapter as a trainable one and activates it.
 fn peft_case() -> anyhow::Result<Case> {
-    let mut c = case()?;
-    c.model.load_adapter("peft", fixtures().join("lora/grad/adapter"))?;
+    peft_case_in(KINDS[0])
+}
+
+fn peft_case_in(kind: (&str, &str)) -> anyhow::Result<Case> {
+    let mut c = case_in(kind)?;
+    c.model.load_adapter("peft", fixtures().join(kind.1).join("adapter"))?;
     c.model.make_adapter_trainable("peft")?;
     c.model.set_active_adapter(Some("peft"))?;
     Ok(c)
@@ -235,8 +256,16 @@ fn peft_case() -> anyhow::Result<Case> {
 /// as for one sequence; checkpointing on, as the trainer runs.
 #[test]
 fn batched_loss_and_gradients_match_peft() -> anyhow::Result<()> {
-    let c = peft_case()?;
-    let want = load_st("lora/grad/batch.safetensors");
+    for kind in KINDS {
+        batched_loss_and_gradients_match_peft_in(kind)?;
+    }
+    Ok(())
+}
+
+fn batched_loss_and_gradients_match_peft_in(kind: (&str, &str)) -> anyhow::Result<()> {
+    let c = peft_case_in(kind)?;
+    let want = load_st(&format!("{}/batch.safetensors", kind.1));
+    eprintln!("{}:", kind.0);
     let batch = peft_batch(&want, c.model.cfg.vision_start_token_id);
     let sup = to_u32(get(&want, "labels_mask"));
     assert_eq!((batch.len(), batch[0].grid_thw.len()), (2, 2), "fixture layout; {REGENERATE_GRAD}");

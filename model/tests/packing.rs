@@ -1,7 +1,8 @@
 //! Padding-free packing (`StepOptions::pack`): several sequences back to back in one row, attention
 //! block-diagonal over them and causal inside each, every sequence at its own M-RoPE positions.
 //!
-//! On the PEFT batch fixture (two sequences, three images of two sizes) plus a text-only sequence:
+//! On the PEFT batch fixtures of Qwen2.5-VL and Qwen3-VL (two sequences, three images of two sizes) plus a
+//! text-only sequence (for Qwen3-VL its DeepStack features travel with each sequence's image rows):
 //! - the packed loss and every LoRA gradient equal the right-padded batch's, and PEFT's own padded batch,
 //!   within the tolerances of `tests/lora_grad.rs` (loss 1e-5 relative, each gradient 1e-4 of its largest
 //!   magnitude): the two layouts differ only in GEMM row counts, so in float reassociation;
@@ -22,14 +23,17 @@ const LOSS_REL: f64 = 1e-5;
 const GRAD_REL: f64 = 1e-4;
 const LOGIT_REL: f64 = 1e-5;
 
-fn tiny(dtype: DType) -> Qwen2Vl {
-    Qwen2Vl::load(fixtures().join("tiny-qwen2_5_vl").to_str().unwrap(), &Device::Cpu, dtype).unwrap()
+/// `(checkpoint, PEFT gradient fixture folder)` of each family the tests run on.
+const KINDS: [(&str, &str); 2] = [("tiny-qwen2_5_vl", "lora/grad"), ("tiny-qwen3_vl", "lora/grad-qwen3_vl")];
+
+fn tiny((ckpt, _): (&str, &str)) -> Qwen2Vl {
+    Qwen2Vl::load(fixtures().join(ckpt).to_str().unwrap(), &Device::Cpu, DType::F32).unwrap()
 }
 
 /// The PEFT fixture's model with its adapter trainable and active.
-fn peft_model() -> anyhow::Result<Qwen2Vl> {
-    let mut m = tiny(DType::F32);
-    m.load_adapter("peft", fixtures().join("lora/grad/adapter"))?;
+fn peft_model(kind: (&str, &str)) -> anyhow::Result<Qwen2Vl> {
+    let mut m = tiny(kind);
+    m.load_adapter("peft", fixtures().join(kind.1).join("adapter"))?;
     m.make_adapter_trainable("peft")?;
     m.set_active_adapter(Some("peft"))?;
     Ok(m)
@@ -51,8 +55,8 @@ fn text_only(first: &TrainExample, vision_end: u32) -> TrainExample {
 }
 
 /// The fixture batch (PEFT's two sequences) and the same plus a text-only sequence in the middle.
-fn batches(m: &Qwen2Vl) -> (Vec<TrainExample>, Vec<TrainExample>) {
-    let want = load_st("lora/grad/batch.safetensors");
+fn batches(m: &Qwen2Vl, (_, grad): (&str, &str)) -> (Vec<TrainExample>, Vec<TrainExample>) {
+    let want = load_st(&format!("{grad}/batch.safetensors"));
     let two = peft_batch(&want, m.cfg.vision_start_token_id);
     let sizes: Vec<[usize; 3]> = two.iter().flat_map(|e| e.grid_thw.clone()).collect();
     assert!(sizes.iter().any(|g| g != &sizes[0]), "the fixture's images should differ in size: {sizes:?}");
@@ -73,9 +77,14 @@ fn opts(pack: bool, checkpointing: bool) -> StepOptions {
 
 #[test]
 fn packed_loss_and_lora_gradients_equal_the_padded_batch_and_peft() -> anyhow::Result<()> {
-    let m = peft_model()?;
-    let (two, three) = batches(&m);
-    let want = load_st("lora/grad/batch.safetensors");
+    KINDS.into_iter().try_for_each(packed_equals_padded_and_peft)
+}
+
+fn packed_equals_padded_and_peft(kind: (&str, &str)) -> anyhow::Result<()> {
+    eprintln!("{}:", kind.0);
+    let m = peft_model(kind)?;
+    let (two, three) = batches(&m, kind);
+    let want = load_st(&format!("{}/batch.safetensors", kind.1));
     let peft_loss = get(&want, "loss").to_scalar::<f32>()? as f64;
     let vars = m.trainable_vars("peft")?;
 
@@ -110,8 +119,13 @@ fn packed_loss_and_lora_gradients_equal_the_padded_batch_and_peft() -> anyhow::R
 
 #[test]
 fn each_sequence_of_a_pack_has_its_logits_alone() -> anyhow::Result<()> {
-    let m = tiny(DType::F32);
-    let (_, three) = batches(&m);
+    KINDS.into_iter().try_for_each(each_sequence_alone)
+}
+
+fn each_sequence_alone(kind: (&str, &str)) -> anyhow::Result<()> {
+    eprintln!("{}:", kind.0);
+    let m = tiny(kind);
+    let (_, three) = batches(&m, kind);
     let packed = m.train_logits(&three, true)?;
     let padded = m.train_logits(&three, false)?;
     for (i, e) in three.iter().enumerate() {
@@ -130,9 +144,16 @@ fn each_sequence_of_a_pack_has_its_logits_alone() -> anyhow::Result<()> {
 /// padded batch's loss and gradients, checkpointing on.
 #[test]
 fn packing_holds_for_full_training_and_the_region_loss() -> anyhow::Result<()> {
-    let mut m = tiny(DType::F32);
+    KINDS.into_iter().try_for_each(full_training_packed)
+}
+
+/// For Qwen3-VL the region loss reads decoder layer 1, whose rows still carry a DeepStack set, and
+/// full training reaches the position table, the patch bias and the q/k norms.
+fn full_training_packed(kind: (&str, &str)) -> anyhow::Result<()> {
+    eprintln!("{}:", kind.0);
+    let mut m = tiny(kind);
     m.make_base_trainable()?;
-    let (_, mut three) = batches(&m);
+    let (_, mut three) = batches(&m, kind);
     for e in three.iter_mut().filter(|e| !e.grid_thw.is_empty()) {
         let pads: Vec<usize> = (0..e.ids.len()).filter(|&p| e.ids[p] == m.cfg.image_token_id).collect();
         e.region_targets = pads.iter().step_by(3).enumerate().map(|(k, &p)| (p, 40 + k as u32)).collect();
@@ -160,8 +181,8 @@ fn packing_holds_for_full_training_and_the_region_loss() -> anyhow::Result<()> {
 /// across the boundaries) are far from the pack, so the checks above can tell a leak.
 #[test]
 fn a_pack_differs_from_one_long_concatenated_sequence() -> anyhow::Result<()> {
-    let m = tiny(DType::F32);
-    let (_, three) = batches(&m);
+    let m = tiny(KINDS[0]);
+    let (_, three) = batches(&m, KINDS[0]);
     let packed = m.train_logits(&three, true)?;
     let joined = TrainExample {
         ids: three.iter().flat_map(|e| e.ids.clone()).collect(),
