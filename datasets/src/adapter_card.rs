@@ -192,14 +192,21 @@ impl PromptFlags {
 
     /// The prompt layout: each set option, [`PromptConfig::default`]'s value for the others.
     pub fn config(&self) -> PromptConfig {
+        self.config_in(PromptConfig::default().frame)
+    }
+
+    /// [`Self::config`] with `native` as the frame when none is set: the model family's own (relative
+    /// 0-1000 for Qwen3-VL).
+    pub fn config_in(&self, native: FrameKind) -> PromptConfig {
         let d = PromptConfig::default();
         PromptConfig {
-            frame: self.frame.unwrap_or(d.frame),
+            frame: self.frame.unwrap_or(native),
             min_pixels: self.min_pixels.unwrap_or(d.min_pixels),
             max_pixels: self.max_pixels.unwrap_or(d.max_pixels),
             history_images: self.history_images.unwrap_or(d.history_images),
             elements: self.elements.unwrap_or(d.elements),
             system_prompt: self.system_prompt.unwrap_or(d.system_prompt),
+            token_side: d.token_side,
         }
     }
 }

@@ -10,8 +10,9 @@ use thiserror::Error;
 
 use crate::action::Action;
 
-/// Qwen2-VL's resize factor: patch 14 x merge 2.
-pub const QWEN_FACTOR: usize = 28;
+/// The side of one language-model token in pixels for Qwen2/2.5-VL: patch 14 x merge 2. Qwen3-VL's is 32
+/// (patch 16); the model's image processor says which ([`ResizeBounds::token_side`]).
+pub const QWEN2_TOKEN_SIDE: usize = 28;
 pub const DEFAULT_MIN_PIXELS: usize = 56 * 56;
 pub const DEFAULT_MAX_PIXELS: usize = 28 * 28 * 1280;
 
@@ -34,16 +35,23 @@ pub enum FrameKind {
     Screen,
 }
 
-/// The pixel bounds of the image processor the model uses (they decide the resized size).
+/// The pixel bounds and token side of the image processor the model uses (they decide the resized size).
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResizeBounds {
     pub min_pixels: usize,
     pub max_pixels: usize,
+    /// Both resized sides are multiples of it: patch x merge (28, or 32 for Qwen3-VL).
+    #[serde(default = "qwen2_token_side")]
+    pub token_side: usize,
+}
+
+pub(crate) fn qwen2_token_side() -> usize {
+    QWEN2_TOKEN_SIDE
 }
 
 impl Default for ResizeBounds {
     fn default() -> Self {
-        Self { min_pixels: DEFAULT_MIN_PIXELS, max_pixels: DEFAULT_MAX_PIXELS }
+        Self { min_pixels: DEFAULT_MIN_PIXELS, max_pixels: DEFAULT_MAX_PIXELS, token_side: QWEN2_TOKEN_SIDE }
     }
 }
 
@@ -63,7 +71,7 @@ impl FrameMap {
                 let (h, w) = askgui_kernels::smart_resize(
                     screen_h as usize,
                     screen_w as usize,
-                    QWEN_FACTOR,
+                    bounds.token_side,
                     bounds.min_pixels,
                     bounds.max_pixels,
                 )
@@ -129,6 +137,9 @@ mod tests {
         assert_eq!(m.model, (672, 1484));
         assert_eq!(m.to_model(0, 0), (0, 0));
         assert_eq!(m.to_model(1079, 2399), (671, 1483));
+        // Qwen3-VL's 32-px tokens: 1024x768 is already a multiple of 32 and within the bounds.
+        let q3 = ResizeBounds { min_pixels: 65_536, max_pixels: 16_777_216, token_side: 32 };
+        assert_eq!(FrameMap::new(FrameKind::Resized, 1024, 768, q3).unwrap().model, (1024, 768));
         let e = FrameMap::new(FrameKind::Resized, 1, 300, ResizeBounds::default()).unwrap_err();
         assert!(e.to_string().contains("1x300") && e.to_string().contains("aspect"), "{e}");
     }

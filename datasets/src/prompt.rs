@@ -48,6 +48,10 @@ pub struct PromptConfig {
     #[arg(long, value_enum, default_value_t = SystemPrompt::Full)]
     #[serde(default)]
     pub system_prompt: SystemPrompt,
+    /// The side of one model token in pixels (patch x merge): the model's, not a flag.
+    #[arg(skip = crate::frame::QWEN2_TOKEN_SIDE)]
+    #[serde(default = "crate::frame::qwen2_token_side")]
+    pub token_side: usize,
 }
 
 /// Which system prompt the agent is given. A model must be served with the one it was trained with.
@@ -77,6 +81,7 @@ impl Default for PromptConfig {
             history_images: 0,
             elements: false,
             system_prompt: SystemPrompt::Full,
+            token_side: crate::frame::QWEN2_TOKEN_SIDE,
         }
     }
 }
@@ -87,7 +92,7 @@ impl PromptConfig {
             self.frame,
             width,
             height,
-            ResizeBounds { min_pixels: self.min_pixels, max_pixels: self.max_pixels },
+            ResizeBounds { min_pixels: self.min_pixels, max_pixels: self.max_pixels, token_side: self.token_side },
         )
     }
 }

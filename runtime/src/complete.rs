@@ -5,7 +5,7 @@
 //! partial UTF-8 character or the start of a stop string, so that a client never sees text that the
 //! final answer does not have.
 
-use askgui_model::{render_chat, Message};
+use askgui_model::{render_chat_with, Message};
 
 use crate::decoding::Decoding;
 use crate::error::Result;
@@ -55,7 +55,8 @@ impl Runtime {
             images.iter().map(|i| Ok((i.hash, self.processed(i)?))).collect::<Result<_>>()?;
         let merge = self.image_config.geometry.merge_size;
         let counts: Vec<usize> = images.iter().map(|(_, i)| i.num_tokens(merge)).collect();
-        let ids = self.tokenizer.encode_prompt(&render_chat(messages, true), &counts)?;
+        let text = render_chat_with(messages, true, self.cfg.arch.default_system_prompt());
+        let ids = self.tokenizer.encode_prompt(&text, &counts)?;
         Ok((ids, images))
     }
 

@@ -82,7 +82,8 @@ impl Runtime {
                 && !text.chars().any(|c| c == '"' || c == '\\' || c.is_control());
         }
         let ic = &model.image_config;
-        let prompt = PromptConfig { min_pixels: ic.min_pixels, max_pixels: ic.max_pixels, ..prompt };
+        let (min_pixels, max_pixels, token_side) = (ic.min_pixels, ic.max_pixels, ic.geometry.factor());
+        let prompt = PromptConfig { min_pixels, max_pixels, token_side, ..prompt };
         Ok(Self {
             cfg: model.cfg.clone(),
             prompt,
@@ -158,6 +159,16 @@ impl Runtime {
             return Err(RuntimeError::ContextOverflow { tokens: prompt + answer, limit: self.context_length });
         }
         Ok(())
+    }
+}
+
+/// The coordinate frame a family grounds in when nothing says otherwise: pixels of the resized image for
+/// Qwen2/2.5-VL, relative 0-1000 for Qwen3-VL (its native frame; training, serving and evaluating it in
+/// another one fights what it learned).
+pub fn native_frame(arch: askgui_model::Arch) -> askgui_data::FrameKind {
+    match arch.grounds_relative() {
+        true => askgui_data::FrameKind::Relative1000,
+        false => askgui_data::FrameKind::Resized,
     }
 }
 

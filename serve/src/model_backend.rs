@@ -145,7 +145,7 @@ impl ModelBackend {
         }
         let flags = cfg.prompt.with_card(served_card(&cfg.prompt, &cards)?.as_ref());
         apply_image_bounds(&mut model, &flags)?;
-        let prompt = served_prompt(&flags);
+        let prompt = served_prompt(&flags, askgui_runtime::native_frame(model.arch()));
         let ic = &model.image_config;
         tracing::info!(?prompt.system_prompt, ?prompt.frame, min_pixels = ic.min_pixels, max_pixels = ic.max_pixels, "prompt settings");
         Ok(Self::new(model, &cfg.model, prompt)?
@@ -174,7 +174,8 @@ impl ModelBackend {
 
     /// [`Self::new`] with the default prompt settings.
     pub fn from_model(model: Qwen2Vl, model_id: &str) -> anyhow::Result<Self> {
-        Self::new(model, model_id, served_prompt(&PromptFlags::default()))
+        let native = askgui_runtime::native_frame(model.arch());
+        Self::new(model, model_id, served_prompt(&PromptFlags::default(), native))
     }
 
     /// Sets the prefix cache's size in bytes (0: no reuse).
@@ -250,8 +251,9 @@ fn bind_or_log(device: &candle_core::Device) {
 
 /// The server's prompt settings: the flags (after askgui.json), with the element list shown whenever a
 /// request sends one and the current screenshot only (a request carries one).
-fn served_prompt(flags: &PromptFlags) -> PromptConfig {
-    PromptConfig { elements: true, history_images: 0, ..flags.config() }
+/// `native` is the model family's frame, for when neither a flag nor a card sets one.
+fn served_prompt(flags: &PromptFlags, native: askgui_data::FrameKind) -> PromptConfig {
+    PromptConfig { elements: true, history_images: 0, ..flags.config_in(native) }
 }
 
 impl Backend for ModelBackend {

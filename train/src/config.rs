@@ -36,6 +36,9 @@ pub enum Mode {
 pub enum Preset {
     /// Navi-plus' LoRA recipe: rank 64, alpha 128, one epoch, batch 64 (8 x 8 accumulation), lr 2e-4.
     NaviPlus,
+    /// LoRA of a Qwen3-VL agent: Navi-plus' recipe at lr 1e-4, in its native relative 0-1000 frame, with
+    /// screenshots at up to 1,280 tokens of 32x32 pixels (max_pixels 1,310,720, as Qwen2.5-VL's 1,280 x 28^2).
+    Qwen3VlLora,
 }
 
 /// The tensor key layout of saved adapters (askgui reads both); the default is [`AdapterLayout`]'s.
@@ -126,9 +129,11 @@ pub struct DataArgs {
     #[arg(long, value_enum, value_delimiter = ',')]
     #[serde(default)]
     pub extra_task_modes: Vec<TaskMode>,
-    /// Coordinate frame the model reads and writes.
-    #[arg(long, value_enum, default_value_t = FrameKind::Resized)]
-    pub frame: FrameKind,
+    /// Coordinate frame the model reads and writes [default: the family's own: resized-image pixels for
+    /// Qwen2/2.5-VL, relative 0-1000 for Qwen3-VL].
+    #[arg(long, value_enum)]
+    #[serde(default)]
+    pub frame: Option<FrameKind>,
     /// The image processor's min_pixels (0: the checkpoint's).
     #[arg(long, default_value_t = 0)]
     pub min_pixels: usize,
@@ -359,6 +364,11 @@ pub fn preset_layer(p: Preset) -> Value {
         Preset::NaviPlus => serde_json::json!({
             "lora": {"lora_rank": 64, "lora_alpha": 128.0},
             "optim": {"lr": 2e-4, "epochs": 1, "batch_size": 8, "grad_accum": 8},
+        }),
+        Preset::Qwen3VlLora => serde_json::json!({
+            "lora": {"lora_rank": 64, "lora_alpha": 128.0},
+            "optim": {"lr": 1e-4, "epochs": 1, "batch_size": 8, "grad_accum": 8},
+            "data": {"frame": "relative1000", "max_pixels": 1_310_720},
         }),
     }
 }
@@ -604,6 +614,10 @@ mod tests {
         let c = parse(&["--preset", "navi-plus", "--config", f, "--model", "flag"]).unwrap();
         assert_eq!((c.lora.lora_rank, c.optim.lr, c.sequences_per_step()), (64, 5e-5, 64));
         assert_eq!(c.model.model.as_deref(), Some("flag"));
+        // The Qwen3-VL preset: its native frame and token budget, and a flag over it.
+        let c = parse(&["--preset", "qwen3-vl-lora", "--model", "m", "--data", "d", "--lora-rank", "32"]).unwrap();
+        assert_eq!((c.data.frame, c.data.max_pixels, c.optim.lr), (Some(FrameKind::Relative1000), 1_310_720, 1e-4));
+        assert_eq!((c.lora.lora_rank, c.lora.lora_alpha, c.sequences_per_step()), (32, 128.0, 64));
         // A flag left at its default does not override the file.
         let c = parse(&["--config", f]).unwrap();
         assert_eq!(c.optim.lr, 5e-5);

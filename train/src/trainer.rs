@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use askgui_data::{LoadedEpisode, PromptConfig};
 use askgui_eval::modes::Mode as EvalMode;
-use askgui_model::{DeviceKind, ImageProcessorConfig, LoraConfig, Qwen2Vl, StepOptions, StepOutput};
+use askgui_model::{DeviceKind, LoraConfig, Qwen2Vl, StepOptions, StepOutput};
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
@@ -171,16 +171,17 @@ fn load_model(cfg: &TrainConfig, device: &Device, dtype: DType) -> Result<Qwen2V
 
 /// How the data loader builds prompts: `cfg`'s data options and the image processor's pixel bounds (the
 /// coordinate frame depends on them).
-fn data_options(cfg: &TrainConfig, ic: &ImageProcessorConfig) -> DataOptions {
-    let d = &cfg.data;
+fn data_options(cfg: &TrainConfig, model: &Qwen2Vl) -> DataOptions {
+    let (d, ic) = (&cfg.data, &model.image_config);
     DataOptions {
         prompt: PromptConfig {
-            frame: d.frame,
+            frame: d.frame.unwrap_or(askgui_runtime::native_frame(model.arch())),
             min_pixels: ic.min_pixels,
             max_pixels: ic.max_pixels,
             history_images: d.history_images,
             elements: d.elements,
             system_prompt: d.system_prompt,
+            token_side: ic.geometry.factor(),
         },
         task_mode: d.task_mode,
         extra_task_modes: d.extra_task_modes.clone(),
@@ -236,7 +237,7 @@ pub fn planned_batches(cfg: &TrainConfig, steps: usize) -> Result<Vec<Vec<data::
     let ic = model.image_config.clone();
     let set = data::load_dataset(
         cfg.data.data.as_deref().expect("validated"),
-        &data_options(cfg, &ic),
+        &data_options(cfg, &model),
         &model.tokenizer()?,
         &ic,
     )?;
@@ -273,7 +274,7 @@ impl<'a> Run<'a> {
     fn load(cfg: &'a TrainConfig, device: Device, model: &Qwen2Vl, ranks: usize) -> Result<Self> {
         let tokenizer = model.tokenizer()?;
         let ic = model.image_config.clone();
-        let opts = data_options(cfg, &ic);
+        let opts = data_options(cfg, model);
         let train = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
         tracing::info!(stats = ?train.stats, "training data {}", train.path.display());
         let val_opts = DataOptions {
@@ -673,7 +674,7 @@ fn save_snapshot(
         }
         // The prompt and image settings the model was trained with travel with it (askgui.json), so that
         // eval and serve apply them by default.
-        crate::adapter_card::write(tmp, &data_options(cfg, &model.image_config))?;
+        crate::adapter_card::write(tmp, &data_options(cfg, model))?;
         opt.save(&tmp.join(snapshot::OPTIMIZER_FILE))?;
         snapshot::write_state(tmp, state)?;
         let path = tmp.join(snapshot::CONFIG_FILE);

@@ -32,6 +32,7 @@ fn run_options() -> DataOptions {
             history_images: 1,
             elements: true,
             system_prompt: SystemPrompt::Compact,
+            token_side: 28,
         },
         task_mode: Default::default(),
         extra_task_modes: vec![],

@@ -3,8 +3,9 @@
 //! askgui-serve build identical prompt ids and answer with identical actions; and the prompt of every
 //! training sample is, token for token, the runtime's prompt for the same step.
 //!
-//! The model is the tiny random Qwen2.5-VL fixture, so its answers are noise; noise that must be the same
-//! noise everywhere. The steps are written here from the protocol (the task, then each earlier action,
+//! The models are the tiny random Qwen2.5-VL and Qwen3-VL fixtures, so their answers are noise; noise that
+//! must be the same noise everywhere. Qwen3-VL runs in its native relative 0-1000 frame (nothing sets
+//! another), and its answers come back in screen pixels through that frame. The steps are written here from the protocol (the task, then each earlier action,
 //! with the annotated step asked and answered), not taken from any of the code under test.
 
 use std::path::{Path, PathBuf};
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use askgui_data::agent_api::StepOptions;
 use askgui_data::synth::{synth, SynthArgs};
-use askgui_data::{read_episodes, LoadedEpisode, PromptConfig, PromptFlags, TaskMode, Turn};
+use askgui_data::{read_episodes, FrameKind, FrameMap, LoadedEpisode, PromptConfig, PromptFlags, TaskMode, Turn};
 use askgui_eval::agent::{Agent, Prediction, StepInput};
 use askgui_eval::backends::inprocess::runtime_step;
 use askgui_eval::backends::{EndpointAgent, EndpointConfig, InProcessAgent};
@@ -28,8 +29,20 @@ use candle_core::{DType, Device};
 const MAX_PIXELS: usize = 12544;
 const MAX_TOKENS: usize = 16;
 
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl")
+/// A family's fixture and the frame it runs in when no flag or card names one.
+#[derive(Clone, Copy)]
+struct Family {
+    fixture: &'static str,
+    frame: FrameKind,
+}
+
+const FAMILIES: [Family; 2] = [
+    Family { fixture: "tiny-qwen2_5_vl", frame: FrameKind::Resized },
+    Family { fixture: "tiny-qwen3_vl", frame: FrameKind::Relative1000 },
+];
+
+fn fixture(f: Family) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures").join(f.fixture)
 }
 
 /// Two synthetic episodes, every task ambiguous (so each has an ASK/SAY step), with element lists.
@@ -92,12 +105,13 @@ fn options() -> StepOptions {
     StepOptions { max_tokens: Some(MAX_TOKENS), ..StepOptions::default() }
 }
 
-fn prompt(history_images: usize) -> PromptConfig {
-    PromptConfig { max_pixels: MAX_PIXELS, history_images, elements: true, ..PromptConfig::default() }
+/// The prompt the trainer builds: its data options resolve the family's frame as `--frame` unset does.
+fn prompt(f: Family, history_images: usize) -> PromptConfig {
+    PromptConfig { max_pixels: MAX_PIXELS, history_images, elements: true, frame: f.frame, ..PromptConfig::default() }
 }
 
-/// askgui-eval's agent, loaded from the command line's flags.
-fn eval_agent(history_images: usize) -> InProcessAgent {
+/// askgui-eval's agent, loaded from the command line's flags (no `--frame`).
+fn eval_agent(f: Family, history_images: usize) -> InProcessAgent {
     let flags = PromptFlags {
         max_pixels: Some(MAX_PIXELS),
         history_images: Some(history_images),
@@ -105,22 +119,24 @@ fn eval_agent(history_images: usize) -> InProcessAgent {
         ..PromptFlags::default()
     };
     let load = LoadOptions::default();
-    InProcessAgent::load(&fixture().display().to_string(), None, &flags, options(), load).unwrap()
+    InProcessAgent::load(&fixture(f).display().to_string(), None, &flags, options(), load).unwrap()
 }
 
 /// The agent the trainer lends its model to, with the model's processor set as the trainer sets it.
-fn trainer_agent(history_images: usize) -> InProcessAgent {
-    let mut model = Qwen2Vl::load(&fixture().display().to_string(), &Device::Cpu, DType::F32).unwrap();
+fn trainer_agent(f: Family, history_images: usize) -> InProcessAgent {
+    let mut model = Qwen2Vl::load(&fixture(f).display().to_string(), &Device::Cpu, DType::F32).unwrap();
     model.image_config.max_pixels = MAX_PIXELS;
-    lend(model, &prompt(history_images), MAX_TOKENS).unwrap()
+    let token_side = model.image_config.geometry.factor();
+    lend(model, &PromptConfig { token_side, ..prompt(f, history_images) }, MAX_TOKENS).unwrap()
 }
 
 /// The prompt ids of the training samples of `path`, up to each sample's first supervised token.
-fn training_prompts(path: &Path, history_images: usize) -> Vec<Vec<u32>> {
-    let mut model = Qwen2Vl::load(&fixture().display().to_string(), &Device::Cpu, DType::F32).unwrap();
+fn training_prompts(f: Family, path: &Path, history_images: usize) -> Vec<Vec<u32>> {
+    let mut model = Qwen2Vl::load(&fixture(f).display().to_string(), &Device::Cpu, DType::F32).unwrap();
     model.image_config.max_pixels = MAX_PIXELS;
+    let (min_pixels, token_side) = (model.image_config.min_pixels, model.image_config.geometry.factor());
     let opts = DataOptions {
-        prompt: PromptConfig { min_pixels: model.image_config.min_pixels, ..prompt(history_images) },
+        prompt: PromptConfig { min_pixels, token_side, ..prompt(f, history_images) },
         task_mode: TaskMode::Ambiguous,
         extra_task_modes: vec![],
         history_length: 0,
@@ -145,14 +161,31 @@ fn predict(agent: &dyn Agent, input: &StepInput) -> Prediction {
     agent.predict(input).unwrap_or_else(|e| panic!("{} step {}: {e}", input.episode_id, input.step))
 }
 
+/// A prediction's action in screen pixels is its raw answer's, through the family's frame.
+fn check_frame(f: Family, input: &StepInput, p: &Prediction) {
+    let (Some(action), Ok(parsed)) = (&p.action, askgui_data::parse_answer(&p.raw)) else { return };
+    let map = FrameMap::new(f.frame, input.screen.width, input.screen.height, Default::default()).unwrap();
+    if f.frame == FrameKind::Relative1000 {
+        assert_eq!(&map.action_to_screen(&parsed.action), action, "{}: the 0-1000 answer in screen pixels", p.raw);
+    }
+}
+
 #[test]
 fn eval_the_trainer_and_training_data_ask_the_same_and_eval_and_the_trainer_answer_the_same() {
-    let path = episodes("two-screenshots");
+    for f in FAMILIES {
+        eprintln!("{}:", f.fixture);
+        eval_trainer_and_data_agree(f);
+    }
+}
+
+fn eval_trainer_and_data_agree(f: Family) {
+    let path = episodes(&format!("two-screenshots-{}", f.fixture));
     let inputs: Vec<StepInput> = loaded(&path).iter().flat_map(steps).collect();
     assert!(inputs.iter().any(|i| i.history.iter().any(|t| matches!(t, Turn::Say { .. }))), "no SAY turn");
     // Two screenshots from the second step on.
-    let (eval, trainer) = (eval_agent(1), trainer_agent(1));
-    let samples = training_prompts(&path, 1);
+    let (eval, trainer) = (eval_agent(f, 1), trainer_agent(f, 1));
+    assert_eq!(eval.runtime().prompt_config().frame, f.frame, "eval's frame when none is given");
+    let samples = training_prompts(f, &path, 1);
     assert_eq!(samples.len(), inputs.len(), "one training sample per step asked");
     for (input, sample) in inputs.iter().zip(&samples) {
         let what = format!("{} step {} ({} history turns)", input.episode_id, input.step, input.history.len());
@@ -163,12 +196,13 @@ fn eval_the_trainer_and_training_data_ask_the_same_and_eval_and_the_trainer_answ
         assert_eq!(&e, sample, "{what}: the training sample's prompt differs from the runtime's");
         let (e, t) = (predict(&eval, input), predict(&trainer, input));
         assert!(e.same_answer(&t), "{what}: {e:?} vs {t:?}");
+        check_frame(f, input, &e);
     }
 }
 
 /// askgui-serve's backend as `askgui-serve --model FIXTURE --max-pixels 12544` loads it.
-fn server_config() -> Config {
-    let mut cfg = Config::for_model(fixture().display().to_string());
+fn server_config(f: Family) -> Config {
+    let mut cfg = Config::for_model(fixture(f).display().to_string());
     cfg.port = 0;
     cfg.max_pixels = Some(MAX_PIXELS);
     cfg
@@ -176,11 +210,18 @@ fn server_config() -> Config {
 
 #[test]
 fn the_server_asks_and_answers_as_eval_and_the_trainer_do() {
-    let path = episodes("server");
+    for f in FAMILIES {
+        eprintln!("{}:", f.fixture);
+        server_agrees(f);
+    }
+}
+
+fn server_agrees(f: Family) {
+    let path = episodes(&format!("server-{}", f.fixture));
     let inputs: Vec<StepInput> = loaded(&path).iter().flat_map(steps).collect();
-    let (eval, trainer) = (eval_agent(0), trainer_agent(0));
-    let samples = training_prompts(&path, 0);
-    let cfg = server_config();
+    let (eval, trainer) = (eval_agent(f, 0), trainer_agent(f, 0));
+    let samples = training_prompts(f, &path, 0);
+    let cfg = server_config(f);
     let backend = ModelBackend::load(&ModelBackendConfig::from(&cfg)).unwrap();
     let mb = ModelBackendConfig::from(&cfg);
     let factory = Box::new(move || {
@@ -218,6 +259,7 @@ fn the_server_asks_and_answers_as_eval_and_the_trainer_do() {
         let (answer, e, t) = (predict(&client, input), predict(&eval, input), predict(&trainer, input));
         assert!(answer.same_answer(&e), "{what}: the server and eval answer differently: {answer:?} vs {e:?}");
         assert!(answer.same_answer(&t), "{what}: the server and the trainer's eval differ: {answer:?} vs {t:?}");
+        check_frame(f, input, &answer);
     }
     server.stop();
 }

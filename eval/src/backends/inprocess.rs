@@ -76,7 +76,8 @@ impl InProcessAgent {
             m.load_adapter("adapter", dir).map_err(|e| runtime_err(e.into()))?;
             m.merge_and_unload("adapter").map_err(|e| runtime_err(e.into()))?;
         }
-        let mut agent = Self::from_model(m, flags.config(), options)?;
+        let prompt = flags.config_in(askgui_runtime::native_frame(m.arch()));
+        let mut agent = Self::from_model(m, prompt, options)?;
         if !Path::new(model).is_dir() {
             // A hub id names its revision through the snapshot folder the files came from.
             let dir = &agent.packed.get_mut().unwrap_or_else(|p| p.into_inner()).model.files.dir;
