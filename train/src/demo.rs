@@ -35,12 +35,60 @@ use serde::Serialize;
 use crate::config::{Mode, RunControl, TrainConfig};
 use crate::error::{io, Result, TrainError};
 
+/// The model family of the demo's agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DemoArch {
+    #[value(name = "qwen2_5_vl")]
+    Qwen25Vl,
+    #[value(name = "qwen3_vl")]
+    Qwen3Vl,
+}
+
+impl DemoArch {
+    /// The built-in config.json of the demo's small model of this family.
+    fn config(self) -> &'static str {
+        match self {
+            DemoArch::Qwen25Vl => crate::init::DEMO_CONFIG,
+            DemoArch::Qwen3Vl => crate::init::DEMO_CONFIG_QWEN3_VL,
+        }
+    }
+
+    /// The side of one model token in pixels: the synthetic world's grid.
+    fn grid(self) -> u32 {
+        match self {
+            DemoArch::Qwen25Vl => 28,
+            DemoArch::Qwen3Vl => 32,
+        }
+    }
+
+    /// The family's native coordinate frame.
+    fn frame(self) -> FrameKind {
+        match self {
+            DemoArch::Qwen25Vl => FrameKind::Resized,
+            DemoArch::Qwen3Vl => FrameKind::Relative1000,
+        }
+    }
+
+    /// The screen size: the flags', or for Qwen3-VL the nearest multiples of 32 to the default 168x308.
+    fn screen(self, a: &DemoArgs) -> (u32, u32) {
+        match (self, a.width, a.height) {
+            (DemoArch::Qwen3Vl, 168, 308) => (160, 320),
+            (_, w, h) => (w, h),
+        }
+    }
+}
+
 /// The demo's knobs (defaults: the full demo; tests shrink them).
 #[derive(Debug, Clone, clap::Args, Serialize)]
 pub struct DemoArgs {
     /// Where everything goes (data, models, eval results, report.json, report.md).
     #[arg(long, default_value = "runs/demo")]
     pub out: PathBuf,
+    /// The agent's model family: Qwen2.5-VL, or Qwen3-VL (16-px patches, DeepStack, q/k norms; screens
+    /// on its 32-pixel grid, 160x320 unless --width/--height say otherwise, in relative 0-1000 coordinates).
+    #[arg(long, value_enum, default_value_t = DemoArch::Qwen25Vl)]
+    pub arch: DemoArch,
     /// Synthetic episodes in all (split train:val:test by --split).
     #[arg(long, default_value_t = 3000)]
     pub episodes: usize,
@@ -333,7 +381,7 @@ fn head(episodes: &Path, n: usize, dir: &Path, name: &str) -> Result<PathBuf> {
 /// The prompt layout of the demo's agents, in training and in evaluation.
 fn prompt_config(a: &DemoArgs) -> PromptConfig {
     PromptConfig {
-        frame: FrameKind::Resized,
+        frame: a.arch.frame(),
         max_pixels: a.max_pixels,
         system_prompt: SystemPrompt::Compact,
         ..PromptConfig::default()
@@ -364,7 +412,7 @@ fn learn_tokenizer(train: &Path, a: &DemoArgs) -> Result<(String, usize)> {
 fn demo_config(a: &DemoArgs, vocab: usize) -> Result<String> {
     let text = match &a.model_config {
         Some(p) => std::fs::read_to_string(p).map_err(io(p))?,
-        None => crate::init::DEMO_CONFIG.to_string(),
+        None => a.arch.config().to_string(),
     };
     let mut cfg: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| TrainError::Config(format!("--model-config: {e}")))?;
@@ -481,12 +529,12 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
         out: data.clone(),
         episodes: a.episodes,
         seed: a.seed,
-        width: a.width,
-        height: a.height,
+        width: a.arch.screen(a).0,
+        height: a.arch.screen(a).1,
         split: a.split.clone(),
         ambiguous_fraction: a.ambiguous_fraction,
         slot_colors: !a.plain_slots,
-        grid: if a.plain_slots { 0 } else { 28 },
+        grid: if a.plain_slots { 0 } else { a.arch.grid() },
         icons: !a.plain_slots,
     };
     synth(&synth_args).map_err(|e| TrainError::Data(e.to_string()))?;

@@ -1,4 +1,4 @@
-//! `--init-config`: a Qwen2.5-VL / Qwen2-VL checkpoint folder with random weights, for training from scratch.
+//! `--init-config`: a checkpoint folder of any family with random weights, for training from scratch.
 //!
 //! The weights are askgui-model's [`askgui_model::random_init::random_weights`] (transformers' initialisation:
 //! N(0, 0.02) weights and embeddings, zero biases, unit norms). The tokenizer is the byte-level one of the
@@ -20,6 +20,9 @@ pub const TOKENIZER_JSON: &str = include_str!("../assets/byte-tokenizer/tokenize
 pub const TOKENIZER_CONFIG_JSON: &str = include_str!("../assets/byte-tokenizer/tokenizer_config.json");
 /// The demo's model: text hidden 128, 3 layers; vision hidden 64, depth 2; tied embeddings.
 pub const DEMO_CONFIG: &str = include_str!("../assets/demo-config.json");
+/// The demo's model as Qwen3-VL (`askgui-train demo --arch qwen3_vl`): the same widths and depths, head_dim
+/// 32, DeepStack from vision block 0, an 8x8 position table, 16-px patches.
+pub const DEMO_CONFIG_QWEN3_VL: &str = include_str!("../assets/demo-config-qwen3_vl.json");
 
 /// The files beside the weights that a model folder carries.
 const SIDE_FILES: [&str; 5] =
@@ -49,11 +52,11 @@ pub fn write_random_model(
     }
     std::fs::create_dir_all(out).map_err(io(out))?;
     init::write_checkpoint(&init::random_weights(&cfg, seed)?, out)?;
+    let (mean, std) = cfg.arch.image_mean_std();
     let preprocessor = serde_json::json!({
         "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": cfg.vision.patch_size,
         "temporal_patch_size": cfg.vision.temporal_patch_size, "merge_size": cfg.vision.spatial_merge_size,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "image_processor_type": "Qwen2VLImageProcessor"
+        "image_mean": mean, "image_std": std, "image_processor_type": "Qwen2VLImageProcessor"
     });
     let generation = serde_json::json!({ "eos_token_id": cfg.eos_token_ids, "pad_token_id": 256 });
     let pretty = |v: &serde_json::Value| serde_json::to_string_pretty(v).expect("json");

@@ -7,9 +7,10 @@
 //! the merged values. Each tensor is written back in the dtype the base checkpoint stored it in (a bf16
 //! checkpoint stays bf16: the merged weight is rounded once, as PEFT's `merge_and_unload` on a bf16 model
 //! does); tensors of the base file that the model does not load are copied through unchanged. Keys are the
-//! hub layout (`model.layers.N...`, `visual.*`) whichever layout the base used, as the hub's Qwen2.5-VL
-//! checkpoints are: transformers 5 renames them on load with an empty load report (no missing or unused
-//! weight; `scripts/checks/check_merged.py` checks it). One `model.safetensors` is written even when the
+//! family's checkpoint layout whichever layout the base used ([`askgui_model::Arch::checkpoint_key`]): for
+//! Qwen2/2.5-VL the hub's (`model.layers.N...`, `visual.*`), which transformers 5 renames on load with an
+//! empty load report (no missing or unused weight; `scripts/checks/check_merged.py` checks it); for
+//! Qwen3-VL `model.language_model.*` and `model.visual.*`, as its released checkpoints are. One `model.safetensors` is written even when the
 //! base was sharded. `config.json`, the tokenizer files, `preprocessor_config.json`
 //! and `generation_config.json` are copied when present, and the adapter's `askgui.json` (the prompt and
 //! image settings it was trained with).
@@ -114,11 +115,11 @@ pub fn merge(args: &MergeArgs) -> Result<MergeSummary> {
             Some((dtype, shape, _, _)) => t.to_dtype(*dtype)?.reshape(shape.as_slice())?,
             None => t,
         };
-        tensors.insert(name, t.contiguous()?);
+        tensors.insert(model.cfg.arch.checkpoint_key(&name), t.contiguous()?);
     }
     let mut passed_through = Vec::new();
     for (hub, (_, _, path, key)) in &stored {
-        if tensors.contains_key(hub) {
+        if tensors.contains_key(&model.cfg.arch.checkpoint_key(hub)) {
             continue;
         }
         // SAFETY: as above.
@@ -126,7 +127,7 @@ pub fn merge(args: &MergeArgs) -> Result<MergeSummary> {
             .map_err(|e| TrainError::Merge(format!("{}: not a readable safetensors file: {e}", path.display())))?;
         let t =
             st.load(key, &Device::Cpu).map_err(|e| TrainError::Merge(format!("{}: `{key}`: {e}", path.display())))?;
-        tensors.insert(hub.clone(), t);
+        tensors.insert(model.cfg.arch.checkpoint_key(hub), t);
         passed_through.push(hub.clone());
     }
     if !passed_through.is_empty() {

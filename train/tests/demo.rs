@@ -1,16 +1,28 @@
 //! `askgui-train demo` at a toy scale (a few steps, a few episodes): every stage runs through the library
 //! functions and report.json holds every key under its stable name. It asserts nothing about the scores:
-//! a toy run reaches none of the demo's targets, and the report must say so (`all_met` false).
+//! a toy run reaches none of the demo's targets, and the report must say so (`all_met` false). Both
+//! families the demo can build run: Qwen2.5-VL and Qwen3-VL.
 
 use askgui_data::TaskMode;
-use askgui_train::demo::{run, DemoArgs};
+use askgui_train::demo::{run, DemoArch, DemoArgs};
 
 #[test]
 fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
-    let out = std::env::temp_dir().join(format!("askgui-demo-toy-{}", std::process::id()));
+    toy_demo(DemoArch::Qwen25Vl)
+}
+
+/// `--arch qwen3_vl`: the same run with the Qwen3-VL agent, its screens on the 32-pixel grid.
+#[test]
+fn toy_demo_builds_a_qwen3_vl_agent() -> anyhow::Result<()> {
+    toy_demo(DemoArch::Qwen3Vl)
+}
+
+fn toy_demo(arch: DemoArch) -> anyhow::Result<()> {
+    let out = std::env::temp_dir().join(format!("askgui-demo-toy-{arch:?}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let args = DemoArgs {
         out: out.clone(),
+        arch,
         episodes: 12,
         split: "8:1:3".into(),
         width: 160,
@@ -120,6 +132,12 @@ fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
     assert!(md.contains("Dual-Stream") && md.contains("--system-prompt compact"), "{md}");
     // The learned tokenizer went into the model folders, so serve and eval load it like any other.
     assert!(out.join("tokenizer.json").exists() && report.base_model.join("tokenizer.json").exists());
+    let config = std::fs::read_to_string(report.base_model.join("config.json"))?;
+    let model_type = match arch {
+        DemoArch::Qwen25Vl => "qwen2_5_vl",
+        DemoArch::Qwen3Vl => "qwen3_vl",
+    };
+    assert!(config.contains(&format!("\"model_type\": \"{model_type}\"")), "{config}");
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
