@@ -5,7 +5,7 @@
 //! produced by the Python `tokenizers` library on the same file (`Tokenizer.from_file(p).encode(text,
 //! add_special_tokens=False).ids`), the reference implementation, not by this crate.
 
-use askgui_model::{render_chat, Content, Message, QwenTokenizer};
+use askgui_model::{render_chat, render_chat_with, Arch, Content, Message, QwenTokenizer};
 
 #[test]
 fn chat_template_gives_known_ids() -> anyhow::Result<()> {
@@ -30,6 +30,16 @@ fn chat_template_gives_known_ids() -> anyhow::Result<()> {
     want.extend(EXPECTED_TEXT);
     want.extend([151645, 198, 151644, 77091, 198]);
     assert_eq!(ids, want);
+
+    // Qwen3-VL's template (the tokenizer file is Qwen3's) adds no system prompt: the same chat is the
+    // user turn alone. Python reference: `encode("<|im_start|>user\n<|vision_start|><|image_pad|>x3
+    // <|vision_end|>Click the search box.<|im_end|>\n<|im_start|>assistant\n")`.
+    let user = [Message::new("user", vec![Content::Image, Content::Text("Click the search box.".into())])];
+    let text = render_chat_with(&user, true, Arch::Qwen3Vl.default_system_prompt());
+    let mut want = vec![151644, 872, 198, 151652, 151655, 151655, 151655, 151653];
+    want.extend(EXPECTED_TEXT);
+    want.extend([151645, 198, 151644, 77091, 198]);
+    assert_eq!(tok.encode_prompt(&text, &[3])?, want);
     Ok(())
 }
 
