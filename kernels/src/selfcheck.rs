@@ -1,5 +1,6 @@
 //! `askgui-train check-gpu`'s library: every kernel op against its plain-candle reference on one device,
-//! forward and gradients, f32 and bf16, on small odd shapes; one row per compared tensor.
+//! forward and gradients, f32 and bf16, on small odd shapes and on Qwen3-VL's head dims and widths
+//! (`selfcheck/qwen3_vl.rs`); one row per compared tensor.
 //!
 //! The op runs on the device in the row's dtype. The reference is the spec: plain candle in f32 on the
 //! CPU, fed the very numbers the op sees (inputs rounded to the dtype, then upcast), so only the op's own
@@ -17,6 +18,8 @@ use crate::attention::AttentionMask;
 use crate::ops;
 use crate::rope::{inv_freq, mrope_cos_sin_reference, vision_rope_cos_sin_reference};
 use crate::{attention_reference, layer_norm_reference, rms_norm_reference, rope_reference};
+
+mod qwen3_vl;
 
 /// A row passes when `|got - ref| <= atol + rtol * |ref|` for every element.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -308,6 +311,7 @@ fn all_cases() -> Result<Vec<Case>> {
     cases.extend(rope_cases()?);
     cases.extend(cross_entropy_cases()?);
     cases.extend(frozen_linear_cases()?);
+    cases.extend(qwen3_vl::cases()?);
     Ok(cases)
 }
 

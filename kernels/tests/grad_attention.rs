@@ -107,6 +107,10 @@ fn cases() -> Vec<Case> {
         // Packed sequences: causal inside each segment, the first longer than one query block.
         Case { name: "causal_block_diagonal", b: 1, cu: Some(vec![0, 5, 5, 6, 13]), ..base("", true) },
         Case { name: "long_causal_block_diagonal", b: 1, cu: Some(vec![0, 70, 71, 150]), ..long("", true) },
+        // Qwen3-VL: the vision head dim 72 (1152 / 16) over two whole images, and the decoder's head dim
+        // 128 with GQA 4 (32 / 8 heads at 8B), causal.
+        Case { name: "qwen3_vl_vision_d72", b: 1, hq: 2, hkv: 2, d: 72, cu: Some(vec![0, 9, 13]), ..base("", false) },
+        Case { name: "qwen3_vl_decoder_d128_gqa4", b: 1, hq: 4, hkv: 1, d: 128, ..base("", true) },
     ]
 }
 

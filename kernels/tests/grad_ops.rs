@@ -387,3 +387,69 @@ fn non_contiguous_inputs_are_handled_by_the_wrappers() -> Result<()> {
     compare_tensors("rms_norm grad, transposed x", g.get(&xt).unwrap(), g_ref.get(&xt).unwrap(), REF_F32)?;
     Ok(())
 }
+
+/// Qwen3-VL's norm widths: the per-head q/k RMSNorm over the last dim of a `(B, H, T, 128)` view (a
+/// transpose of `(B, T, H, 128)`, as the decoder makes it), the vision LayerNorm with bias at 1152 and
+/// the DeepStack mergers' at 4 * 1152 = 4608; against the reference, finite differences (one or two
+/// rows: the wide row is what is new) and in bf16.
+#[test]
+fn norms_at_qwen3_vl_widths() -> Result<()> {
+    let xt = Var::from_tensor(&tensor(&[1, 3, 2, 128], 20, DType::F32)?)?; // (B, T, H, D)
+    let w = tensor(&[128], 21, DType::F32)?;
+    let x = xt.transpose(1, 2)?; // (B, H, T, D)
+    let (y, y_ref) = (rms_norm(&x, &w, EPS)?, rms_norm_reference(&x, &w, EPS)?);
+    compare_tensors("q/k rms_norm forward, (B, H, T, 128) view", &y, &y_ref, REF_F32)?;
+    let (g, g_ref) = (weighted_sum(&y, 22)?.backward()?, weighted_sum(&y_ref, 22)?.backward()?);
+    compare_tensors("q/k rms_norm grad, (B, H, T, 128) view", g.get(&xt).unwrap(), g_ref.get(&xt).unwrap(), REF_F32)?;
+
+    let rms: &Op = &|t| rms_norm(&t[0], &t[1], EPS);
+    let rms_ref: &Op = &|t| rms_norm_reference(&t[0], &t[1], EPS);
+    let ln: &Op = &|t| layer_norm(&t[0], &t[1], &t[2], EPS);
+    let ln_ref: &Op = &|t| layer_norm_reference(&t[0], &t[1], &t[2], EPS);
+    let mk = |dims: &[usize], params: usize, dtype| -> Result<Vec<Tensor>> {
+        let d = *dims.last().unwrap();
+        let mut v = vec![tensor(dims, 23, dtype)?];
+        for p in 0..params {
+            v.push(tensor(&[d], 24 + p as u64, dtype)?);
+        }
+        Ok(v)
+    };
+    for dims in [&[2usize, 4, 3, 128][..], &[2usize, 128][..]] {
+        check_against_reference("q/k rms_norm", rms, rms_ref, &mk(dims, 1, DType::F32)?)?;
+        check_bf16("q/k rms_norm", rms, &mk(dims, 1, DType::F32)?, &[0, 1])?;
+    }
+    check_finite_differences("q/k rms_norm", rms, &mk(&[2, 128], 1, DType::F64)?, &[0, 1])?;
+    for d in [1152, 4608] {
+        check_against_reference("layer_norm", ln, ln_ref, &mk(&[3, d], 2, DType::F32)?)?;
+        check_bf16("layer_norm", ln, &mk(&[3, d], 2, DType::F32)?, &[0, 1, 2])?;
+        check_finite_differences("layer_norm", ln, &mk(&[1, d], 2, DType::F64)?, &[0, 1, 2])?;
+    }
+    Ok(())
+}
+
+/// Qwen3-VL's GEMMs through `frozen_linear`: the patch embedding (a Conv3d whose kernel equals its stride,
+/// so rows of 3 * 2 * 16 * 16 = 1536 pixel values times a (1152, 1536) weight) and a DeepStack merger's
+/// Linears (4608 -> 4608 -> 2048, the 2B text width); few rows. Against candle's matmul in f32 (forward
+/// and dx) and as the f32 op rounded once in bf16.
+#[test]
+fn frozen_linear_at_qwen3_vl_shapes() -> Result<()> {
+    let op: &Op = &|t| frozen_linear(&t[0], &t[1]);
+    let reference: &Op = &|t| frozen_linear_reference(&t[0], &t[1]);
+    for (rows, d_in, d_out) in [(5, 1536, 1152), (2, 4608, 4608), (2, 4608, 2048)] {
+        let x = tensor(&[rows, d_in], 30, DType::F32)?;
+        // Weights of a trained layer's scale, ~1 / sqrt(in), so that outputs are of order 1.
+        let w = (tensor(&[d_out, d_in], 31, DType::F32)? * (1.0 / (d_in as f64).sqrt()))?;
+        let xv = Var::from_tensor(&x)?;
+        let (y, y_ref) = (op(&[xv.as_tensor().clone(), w.clone()])?, reference(&[xv.as_tensor().clone(), w.clone()])?);
+        compare_tensors(&format!("frozen_linear forward ({rows}, {d_in}) x ({d_out}, {d_in})^T"), &y, &y_ref, REF_F32)?;
+        let (g, g_ref) = (weighted_sum(&y, 32)?.backward()?, weighted_sum(&y_ref, 32)?.backward()?);
+        compare_tensors(
+            &format!("frozen_linear dx ({rows}, {d_in})"),
+            g.get(&xv).unwrap(),
+            g_ref.get(&xv).unwrap(),
+            REF_F32,
+        )?;
+        check_bf16("frozen_linear", op, &[x, w], &[0])?;
+    }
+    Ok(())
+}

@@ -81,6 +81,22 @@ fn vision_layout_matches_reference_and_finite_differences() -> Result<()> {
     Ok(())
 }
 
+/// Qwen3-VL's head dims: the vision tower's 2D tables at head dim 72 (a rotary of `72 / 2 = 36`, 18
+/// frequencies per axis) over 16 heads, and the decoder's head dim 128 with per-token tables (their
+/// interleaved M-RoPE layout is data to the op: random angles stand for it).
+#[test]
+fn qwen3_vl_head_dims_match_reference_and_finite_differences() -> Result<()> {
+    let dev = Device::Cpu;
+    let hw: Vec<f32> = (0..6u32).flat_map(|p| [(p / 3) as f32, (p % 3) as f32]).collect();
+    let inv = Tensor::new(inv_freq(36, 10000.0).as_slice(), &dev)?;
+    let (cos, sin) = vision_rope_cos_sin_reference(&Tensor::from_vec(hw, (6, 2), &dev)?, &inv)?;
+    ensure!(cos.dims() == [6, 72], "vision tables {:?}", cos.dims());
+    check("vision 2D tables D=72", &[6, 16, 72], &cos.unsqueeze(1)?, &sin.unsqueeze(1)?)?;
+    let (cos, sin) = random_tables(&[1, 1, 3, 128], 8, DType::F64)?;
+    check("decoder (B,1,T,D) D=128", &[1, 4, 3, 128], &cos, &sin)?;
+    Ok(())
+}
+
 #[test]
 fn mrope_tables_match_reference_and_finite_differences() -> Result<()> {
     // positions (3, B, T) with different t / h / w, mrope_section [2, 1, 1] over D / 2 = 4.

@@ -347,6 +347,23 @@ mod tests {
         assert_eq!(b[1], ("attention_bwd_f32_80".to_string(), 100_864));
     }
 
+    /// Qwen3-VL's vision head dim 72 (1152 / 16) runs in the 80 bucket, on tensor cores in bf16 both ways
+    /// on both devices: 65,280 and 99,584 bytes fit sm_86's 101,376 (`shared_bytes_match_the_layouts`).
+    #[test]
+    fn qwen3_vl_vision_head_dim_72_pads_into_80() {
+        assert_eq!(bucket("attention", 72).unwrap(), 80);
+        assert_eq!(tc_smem(80), 3 * 64 * 88 * 2 + 4 * (16 * 84 * 4 + 16 * 72 * 2) + 192 * 4);
+        for caps in [Caps::SM90, Caps::SM86] {
+            let p = Problem { d: 72, mask: Mask::Block(vec![0, 40, 100]), ..problem(72) };
+            let f = launches(&forward(&p, Elem::Bf16, &caps).unwrap());
+            assert_eq!(f, [("attention_fwd_tc_bf16_80".to_string(), 65_280)], "{}", caps.name);
+            let b = launches(&backward(&p, Elem::Bf16, &caps, true).unwrap());
+            assert_eq!(b[1], ("attention_bwd_tc_bf16_80".to_string(), 99_584), "{}", caps.name);
+            backward(&p, Elem::F32, &caps, true).unwrap().check(&caps).unwrap();
+        }
+        assert!(bucket("attention", 129).unwrap_err().0.contains("head dim 129"));
+    }
+
     /// sm_90: bf16 runs both directions on tensor cores at D 128; without a saved logsumexp the backward
     /// starts with the forward kernel.
     #[test]

@@ -24,7 +24,12 @@ pub struct Case {
     pad: Option<(usize, usize, usize)>,
 }
 
-const fn case(name: &'static str, heads: (usize, usize, usize), lens: (usize, usize, usize), mask: Mask) -> Case {
+pub(crate) const fn case(
+    name: &'static str,
+    heads: (usize, usize, usize),
+    lens: (usize, usize, usize),
+    mask: Mask,
+) -> Case {
     Case { name, heads, lens, mask, pad: None }
 }
 
@@ -92,7 +97,7 @@ fn emu(
 }
 
 /// Runs every case in f32 and bf16 with both capability sets; fails once with every failure.
-fn check(test: &str, cases: &[Case]) {
+pub(crate) fn check(test: &str, cases: &[Case]) {
     let mut f = Failures::default();
     for (n, c) in cases.iter().enumerate() {
         let p = c.problem();

@@ -20,6 +20,7 @@ mod cross_entropy;
 mod norm;
 mod paged_attention;
 mod planted;
+mod qwen3_vl;
 mod rope;
 mod tiling;
 

@@ -33,32 +33,41 @@ fn cpu(kind: Kind, x: &[f64], w: &[f64], b: &[f64], g: &[f64], (rows, d): (usize
 
 #[test]
 fn norms_forward_backward() {
+    let shapes = [(1, 17), (5, 64), (33, 1000), (3, 2049)];
+    let cases: Vec<_> = [Kind::Rms, Kind::Layer].into_iter().flat_map(|k| shapes.map(|s| (k, s))).collect();
+    check("norms_forward_backward", &cases, &[Caps::SM86]);
+}
+
+/// Runs each `(kind, (rows, d))` forward and backward (trained and frozen) in f32 and bf16 with each of
+/// `caps`; fails once with every failure.
+pub(crate) fn check(test: &str, cases: &[(Kind, (usize, usize))], caps: &[Caps]) {
     let mut f = Failures::default();
     let mut n = 0u64;
-    for kind in [Kind::Rms, Kind::Layer] {
-        for (rows, d) in [(1, 17), (5, 64), (33, 1000), (3, 2049)] {
-            for elem in [Elem::F32, Elem::Bf16] {
-                let order = ORDERS[n as usize % 3];
-                n += 1;
-                let label = format!("{kind:?} ({rows}, {d}) {elem:?} {order:?}");
-                let x = rounded(&uniform(rows * d, n).iter().map(|v| 2.0 * v + 0.5).collect::<Vec<_>>(), elem);
-                let w = rounded(&uniform(d, n + 100), elem);
-                let b = rounded(&uniform(d, n + 200), elem);
-                let g = rounded(&uniform(rows * d, n + 300), elem);
-                let want = cpu(kind, &x, &w, &b, &g, (rows, d), elem);
-                let (rows_tol, params_tol): (Tol, Tol) =
-                    if elem == Elem::F32 { (F32_ROWS, F32_PARAMS) } else { (BF16, BF16) };
+    for &(kind, (rows, d)) in cases {
+        for elem in [Elem::F32, Elem::Bf16] {
+            let order = ORDERS[n as usize % 3];
+            n += 1;
+            let label = format!("{kind:?} ({rows}, {d}) {elem:?} {order:?}");
+            let x = rounded(&uniform(rows * d, n).iter().map(|v| 2.0 * v + 0.5).collect::<Vec<_>>(), elem);
+            let w = rounded(&uniform(d, n + 100), elem);
+            let b = rounded(&uniform(d, n + 200), elem);
+            let g = rounded(&uniform(rows * d, n + 300), elem);
+            let want = cpu(kind, &x, &w, &b, &g, (rows, d), elem);
+            let (rows_tol, params_tol): (Tol, Tol) =
+                if elem == Elem::F32 { (F32_ROWS, F32_PARAMS) } else { (BF16, BF16) };
 
+            for &caps in caps {
+                let label = format!("{label} {}", caps.name);
                 let mut inputs = vec![to_bytes(&x, elem), to_bytes(&w, elem)];
                 if kind == Kind::Layer {
                     inputs.push(to_bytes(&b, elem));
                 }
-                let y = run(&forward(kind, rows, d, EPS, elem).unwrap(), &inputs, Caps::SM86, order);
+                let y = run(&forward(kind, rows, d, EPS, elem).unwrap(), &inputs, caps, order);
                 f.check(compare(&format!("{label} y"), &[rows, d], &from_bytes(&y[0], elem), &want[0], rows_tol));
 
                 let inputs = vec![to_bytes(&x, elem), to_bytes(&w, elem), to_bytes(&g, elem)];
                 for trained in [true, false] {
-                    let out = run(&backward(kind, rows, d, EPS, trained, elem).unwrap(), &inputs, Caps::SM86, order);
+                    let out = run(&backward(kind, rows, d, EPS, trained, elem).unwrap(), &inputs, caps, order);
                     let out = from_bytes(&out[0], elem);
                     let nx = rows * d;
                     f.check(compare(
@@ -84,5 +93,5 @@ fn norms_forward_backward() {
             }
         }
     }
-    f.finish("norms_forward_backward");
+    f.finish(test);
 }

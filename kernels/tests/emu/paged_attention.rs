@@ -13,7 +13,7 @@ use askgui_kernels::plan::paged_attention::{forward, Block};
 use askgui_kernels::plan::{Caps, Elem};
 
 /// `(Hq, Hkv, T, D, blocks as (positions, positions of the block it is narrowed from))`.
-type Case = (usize, usize, usize, usize, Vec<(usize, usize)>);
+pub(crate) type Case = (usize, usize, usize, usize, Vec<(usize, usize)>);
 
 fn cases() -> Vec<Case> {
     let full = |lens: &[usize]| lens.iter().map(|&n| (n, n)).collect::<Vec<_>>();
@@ -32,13 +32,18 @@ fn cases() -> Vec<Case> {
 
 #[test]
 fn paged_attention_against_the_cpu_op() {
+    check("paged_attention_against_the_cpu_op", cases(), &[Caps::SM86]);
+}
+
+/// Runs every case in f32 and bf16 with each of `caps`; fails once with every failure.
+pub(crate) fn check(test: &str, cases: Vec<Case>, caps: &[Caps]) {
     let mut f = Failures::default();
-    for (n, (hq, hkv, t, d, blocks)) in cases().into_iter().enumerate() {
-        for elem in [Elem::F32, Elem::Bf16] {
+    for (n, (hq, hkv, t, d, blocks)) in cases.into_iter().enumerate() {
+        for (elem, &caps) in [Elem::F32, Elem::Bf16].into_iter().flat_map(|e| caps.iter().map(move |c| (e, c))) {
             let order = ORDERS[n % 3];
             let seed = 10 * n as u64 + (elem == Elem::Bf16) as u64;
             let lens: Vec<usize> = blocks.iter().map(|b| b.0).collect();
-            let label = format!("Hq {hq} Hkv {hkv} T {t} D {d} blocks {lens:?} {elem:?} {order:?}");
+            let label = format!("Hq {hq} Hkv {hkv} T {t} D {d} blocks {lens:?} {elem:?} {} {order:?}", caps.name);
             let scale = 1.0 / (d as f64).sqrt();
             // Values of a few units, so that the softmax is far from uniform.
             let q = rounded(&uniform(hq * t * d, seed).iter().map(|x| 3.0 * x).collect::<Vec<_>>(), elem);
@@ -71,12 +76,12 @@ fn paged_attention_against_the_cpu_op() {
                 layout.push(Block { len, head_stride: parent * d });
             }
             let plan = forward((hq, hkv, t, d), &layout, scale, elem).unwrap();
-            let out = run(&plan, &inputs, Caps::SM86, order);
+            let out = run(&plan, &inputs, caps, order);
             let tol = if elem == Elem::F32 { F32_ATTN } else { BF16_ATTN };
             f.check(compare(&label, &[hq, t, d], &from_bytes(&out[0], elem), &want, tol));
         }
     }
-    f.finish("paged_attention_against_the_cpu_op");
+    f.finish(test);
 }
 
 #[test]

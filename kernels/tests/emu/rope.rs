@@ -29,7 +29,7 @@ fn broadcast_strides(table: &[usize], x: &[usize]) -> Vec<usize> {
 }
 
 /// A case: name, x dims, the (cos, sin) table values, and the tables' dims.
-type Case = (&'static str, Vec<usize>, (Vec<f64>, Vec<f64>), Vec<usize>);
+pub(crate) type Case = (&'static str, Vec<usize>, (Vec<f64>, Vec<f64>), Vec<usize>);
 
 #[test]
 fn rope_forward_transpose() {
@@ -56,6 +56,11 @@ fn rope_forward_transpose() {
             vec![p, 1, d],
         ),
     ];
+    check("rope_forward_transpose", &cases, &[Caps::SM86]);
+}
+
+/// Runs each case forward and transposed in f32 and bf16 with each of `caps`; fails once with every failure.
+pub(crate) fn check(test: &str, cases: &[Case], caps: &[Caps]) {
     let mut f = Failures::default();
     for (n, (name, xd, (cos, sin), td)) in cases.iter().enumerate() {
         for elem in [Elem::F32, Elem::Bf16] {
@@ -76,10 +81,12 @@ fn rope_forward_transpose() {
             for (k, (dir, input)) in [(Direction::Forward, &x), (Direction::Transpose, &g)].into_iter().enumerate() {
                 let pl = plan(dir, xd, (&strides, cos.len()), (&strides, sin.len()), elem).unwrap();
                 let ins = vec![to_bytes(input, elem), to_bytes(&cos, elem), to_bytes(&sin, elem)];
-                let got = from_bytes(&run(&pl, &ins, Caps::SM86, order)[0], elem);
-                f.check(compare(&format!("{label} {dir:?}"), xd, &got, &want[k], tol));
+                for &caps in caps {
+                    let got = from_bytes(&run(&pl, &ins, caps, order)[0], elem);
+                    f.check(compare(&format!("{label} {dir:?} {}", caps.name), xd, &got, &want[k], tol));
+                }
             }
         }
     }
-    f.finish("rope_forward_transpose");
+    f.finish(test);
 }
