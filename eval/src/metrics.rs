@@ -289,7 +289,8 @@ pub fn step_counts(r: &EpisodeResult, opts: MetricOptions) -> Counts {
         } else {
             c.fn_ += 1;
         }
-        if r.mode == Mode::Dual && o.credited && !o.exact {
+        // Credited and early, whether or not the agent also asked at the annotated step itself.
+        if r.mode == Mode::Dual && o.credited {
             early.extend(o.asked_at.filter(|&j| j < o.step));
         }
     }

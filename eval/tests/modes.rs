@@ -481,6 +481,33 @@ fn dual_early_ask_keeps_recall_and_inserts_the_annotated_pair() {
 }
 
 #[test]
+fn dual_credits_an_early_ask_also_when_the_agent_asks_at_the_annotated_step() {
+    // 5 steps, the annotated ASK at 3 ("Which milk?"); the agent asks at 1 (early) and again at 3 (exact),
+    // and acts right everywhere else, and on every prediction after a QA pair.
+    let eps = || vec![episode("both", 5, &[(3, "Which milk?")], true)];
+    let table = [(("both", 1, 0), Reply::Ask("Which milk?")), (("both", 3, 0), Reply::Ask("Which milk?"))];
+    let (res, dual, _) = case(eps(), &table, Mode::Dual);
+    // Algorithm 1: the first ask of the window is at 1 <= 3, so it is credited, and steps 1..=3 are
+    // predicted again with the annotated QA pair at 1: all right, and no ask at 2 in the second stream.
+    let o = &res[0].asks[0];
+    assert!((o.credited, o.exact, o.asked_at) == (true, true, Some(1)));
+    assert_eq!(correct_steps(&res[0]), [true; 5]);
+    // By hand, the stated rule (a credited early ask is a TN in Dual): positive step 3 asked exactly: TP 1,
+    // FN 0. Negatives are the steps 0, 1, 2, 4: 0 and 4 no ask (TN), 1 the credited early ask (TN), 2 the
+    // second stream's decision, no ask (TN): FP 0, TN 4. P = 1/1, R = 1/1, FPR = 0/4, F1 = 2/(2+0+0) = 1.
+    let d = dual.ask.as_ref().unwrap();
+    assert_eq!(d.counts, Counts { tp: 1, fp: 0, fn_: 0, tn: 4 });
+    assert_eq!((d.precision, d.recall, d.fpr, d.f1), (Some(1.0), Some(1.0), Some(0.0), Some(1.0)));
+    // +ASK gives no credit: the ask at 1 is a FP among the same 4 negatives (TN 0, 2, 4), the exact ask TP.
+    let (_, standard, _) = case(eps(), &table, Mode::Standard);
+    assert_eq!(standard.ask.as_ref().unwrap().counts, Counts { tp: 1, fp: 1, fn_: 0, tn: 3 });
+    // Early ask as the positive: the exact ask is the TP already; step 1 leaves the negatives: TN 0, 2, 4.
+    let opts = MetricOptions { early_ask: EarlyAsk::Positive, ..MetricOptions::default() };
+    let v = compute_with(Mode::Dual, &res, &FakeText, opts);
+    assert_eq!(v.ask.as_ref().unwrap().counts, Counts { tp: 1, fp: 0, fn_: 0, tn: 3 });
+}
+
+#[test]
 fn an_ask_at_step_0_has_no_before() {
     let eps = || vec![episode("zero", 3, &[(0, "Which one?")], true)];
     let table = [(("zero", 0, 0), Reply::Ask("Which one?"))];
