@@ -650,11 +650,11 @@ pub fn serve_command(r: &DemoReport) -> String {
 }
 
 fn pct(v: Option<f64>) -> String {
-    v.map(|v| format!("{:.1}", 100.0 * v)).unwrap_or_else(|| "-".into())
+    v.map(|v| format!("{:.1}", 100.0 * v)).unwrap_or_else(|| "–".into())
 }
 
 fn frac(v: Option<f64>) -> String {
-    v.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into())
+    v.map(|v| format!("{v:.3}")).unwrap_or_else(|| "–".into())
 }
 
 /// `report.md`: Navi-plus Table 1 for the demo's agents, the blank-screen control, the checks, timings.
