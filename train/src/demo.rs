@@ -600,7 +600,8 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     });
     let ((b, bb, l), (calibration, chosen, c)) = (own?, calibrated?);
     // Into the card only now: the uncalibrated agent above reads the card for its default.
-    askgui_eval::calibrate::write_to_card(&adapter, &chosen).map_err(|e| TrainError::Data(e.to_string()))?;
+    // Written even when the bound was missed: the report says so (`calibration.bound_met`, the FPR check).
+    askgui_eval::calibrate::write_to_card(&adapter, &chosen, true).map_err(|e| TrainError::Data(e.to_string()))?;
     stage("eval", t);
 
     let mut report = DemoReport {
