@@ -629,6 +629,36 @@ fn fill_empty_splits(splits: &mut [Vec<Episode>; 3], weights: [f64; 3]) {
     }
 }
 
+/// Moves ambiguous episodes so that every non-empty split holds one (a split without any cannot measure
+/// asking: calibration and the trainer's eval need a step that needs an ask). Each split without one swaps
+/// its last episode for the last ambiguous episode of the split that holds the most, when that one holds
+/// more than one; split sizes do not change, and a world that already has one in every split stays exactly as
+/// drawn. Returns the non-empty splits still without one (too few
+/// ambiguous episodes).
+fn spread_ambiguous(splits: &mut [Vec<Episode>; 3]) -> Vec<usize> {
+    let count = |s: &[Episode]| s.iter().filter(|e| e.is_ambiguous()).count();
+    let mut short = Vec::new();
+    for k in 0..3 {
+        if splits[k].is_empty() || count(&splits[k]) > 0 {
+            continue;
+        }
+        let donor = (0..3).filter(|&j| count(&splits[j]) > 1).max_by_key(|&j| count(&splits[j]));
+        let Some(d) = donor else {
+            short.push(k);
+            continue;
+        };
+        let i = splits[d].iter().rposition(Episode::is_ambiguous).expect("the donor holds ambiguous episodes");
+        let plain = splits[k].pop().expect("a non-empty split");
+        let ambiguous = std::mem::replace(&mut splits[d][i], plain);
+        splits[k].push(ambiguous);
+    }
+    // Episodes in the order they were drawn (ids end with the zero-padded index).
+    for s in splits.iter_mut() {
+        s.sort_by(|a, b| a.id.cmp(&b.id));
+    }
+    short
+}
+
 /// Writes the world: `out/{train,val,test}.jsonl` (splits with weight 0 are not written) and `out/images/`.
 pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
     if args.width < 160 || args.height < 160 {
@@ -662,6 +692,13 @@ pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
     }
     bar.finish_and_clear();
     fill_empty_splits(&mut splits, weights);
+    for k in spread_ambiguous(&mut splits) {
+        let name = ["train", "val", "test"][k];
+        tracing::warn!(
+            "the {name} split has no ambiguous episode (too few in the world): it cannot measure asking; \
+             give more --episodes or a larger --ambiguous-fraction"
+        );
+    }
     for (k, name) in ["train", "val", "test"].iter().enumerate() {
         if weights[k] == 0.0 {
             continue;
@@ -671,4 +708,43 @@ pub fn synth(args: &SynthArgs) -> Result<SynthReport, SynthError> {
         report.files.push((name.to_string(), file, splits[k].len()));
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Episode `i` (id `synth-0-00000i`), ambiguous or not, with no steps.
+    fn ep(i: usize, ambiguous: bool) -> Episode {
+        Episode {
+            id: format!("synth-0-{i:06}"),
+            platform: Platform::Android,
+            screen: Screen { width: 200, height: 200 },
+            task: "full".into(),
+            ambiguous_task: ambiguous.then(|| "vague".into()),
+            steps: vec![],
+        }
+    }
+
+    fn ids(s: &[Episode]) -> Vec<usize> {
+        s.iter().map(|e| e.id[8..].parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn ambiguous_episodes_reach_every_non_empty_split() {
+        // A 3:1:0 world of four: 0 and 2 ambiguous, both in train. Val has none: it swaps its only
+        // episode (3) for train's last ambiguous one (2). Sizes stay 3 and 1; train keeps 0; test stays empty.
+        let mut splits = [vec![ep(0, true), ep(1, false), ep(2, true)], vec![ep(3, false)], vec![]];
+        assert!(spread_ambiguous(&mut splits).is_empty());
+        assert_eq!((ids(&splits[0]), ids(&splits[1]), splits[2].len()), (vec![0, 1, 3], vec![2], 0));
+        // One ambiguous episode for two splits: train keeps it, val is reported.
+        let mut splits = [vec![ep(0, true), ep(1, false)], vec![ep(2, false)], vec![]];
+        assert_eq!(spread_ambiguous(&mut splits), [1]);
+        assert_eq!((ids(&splits[0]), ids(&splits[1])), (vec![0, 1], vec![2]));
+        // Already one everywhere: nothing moves.
+        let mut splits = [vec![ep(0, true), ep(1, false)], vec![ep(2, true)], vec![ep(3, false), ep(4, true)]];
+        let before = splits.clone();
+        assert!(spread_ambiguous(&mut splits).is_empty());
+        assert_eq!(splits, before);
+    }
 }

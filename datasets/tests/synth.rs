@@ -263,3 +263,23 @@ fn action_buttons_show_their_row_colour() -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&out);
     Ok(())
 }
+
+#[test]
+fn every_split_gets_an_ambiguous_episode() -> anyhow::Result<()> {
+    // The README's tiny world (4 episodes, 3:1:0), and a few more seeds: every written split holds an
+    // ambiguous episode whenever the world has at least one per written split.
+    for seed in 0..6 {
+        let out = tmp(&format!("spread-{seed}"));
+        let a = SynthArgs { width: 224, height: 400, split: "3:1:0".into(), ..args(&out, 4, seed) };
+        let report = synth(&a)?;
+        assert_eq!(report.files.len(), 2, "train and val");
+        for (name, file, n) in &report.files {
+            let eps = load_episodes(file)?;
+            assert_eq!(eps.len(), *n);
+            let ambiguous = eps.iter().filter(|e| e.episode.is_ambiguous()).count();
+            assert!(ambiguous > 0 || report.ambiguous < 2, "seed {seed}: {name} has none of {}", report.ambiguous);
+        }
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    Ok(())
+}

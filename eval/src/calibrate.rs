@@ -52,8 +52,27 @@ pub enum CalibrateError {
          agent"
     )]
     Nondeterministic { id: String, step: usize, a: String, b: String },
-    #[error("{}: no step needs no ask, so no ask FPR can be measured; calibrate on a split with such steps", .0.display())]
-    NoNegatives(PathBuf),
+    #[error(
+        "{}: no step of its {} episodes needs an ask (no ambiguous task with an annotated ask), so asking cannot \
+         be measured: any threshold would have no recall or F1 to choose by. Calibrate on a split with \
+         ambiguous episodes (askgui-data synth --split puts some in every split)",
+        .0.display(),
+        .1
+    )]
+    NoPositives(PathBuf, usize),
+    #[error(
+        "{}: no step of its {} episodes needs no ask, so no ask FPR can be measured; calibrate on a split with \
+         steps that need none (tasks that need no question, or steps before and after an annotated ask)",
+        .0.display(),
+        .1
+    )]
+    NoNegatives(PathBuf, usize),
+    #[error(
+        "no threshold kept the per-step ask FPR within {target}: the lowest FPR was {fpr} (threshold {threshold}), \
+         so it was not written to {dir}. Raise --target-fpr, calibrate on more episodes, or give --force to write \
+         it anyway"
+    )]
+    BoundMissed { dir: String, target: f64, fpr: String, threshold: f64 },
     #[error("{path}: {reason}")]
     Card { path: PathBuf, reason: String },
     #[error("{path}: {source}")]
@@ -257,6 +276,7 @@ pub fn calibrate(
             d.pause_threshold, d.temperature
         )));
     }
+    check_split(episodes, &cfg.episodes)?;
     let cfg = EvalConfig { modes: vec![Mode::Standard, Mode::Strict], ..cfg.clone() };
     run_eval(agent, episodes, &cfg, &NoContentScorer("calibrate does not score questions".into()))?;
     let standard = read_results(&results_path(&cfg.out, Mode::Standard), Mode::Standard)?;
@@ -264,7 +284,7 @@ pub fn calibrate(
     let table = Table::from_results(&standard.iter().chain(&strict).collect::<Vec<_>>())?;
     let sweep = sweep(episodes, &table, &cfg.matching);
     let Some((i, bound_met)) = choose(&sweep, target_fpr) else {
-        return Err(CalibrateError::NoNegatives(cfg.episodes.clone()));
+        return Err(CalibrateError::NoNegatives(cfg.episodes.clone(), episodes.len()));
     };
     let ds = decisions(&standard);
     let temperature = fit_temperature(&ds);
@@ -284,9 +304,34 @@ pub fn calibrate(
     })
 }
 
+/// Refuses a split that cannot calibrate, before the agent is called: one without a step that needs an
+/// ask (no recall, so every threshold ties) or without one that needs none (no FPR).
+fn check_split(episodes: &[LoadedEpisode], path: &Path) -> Result<(), CalibrateError> {
+    let (mut positives, mut negatives) = (0, 0);
+    for e in episodes {
+        let annotated = annotated_ask_steps(e).len();
+        positives += annotated;
+        negatives += e.episode.steps.len() - annotated;
+    }
+    match (positives, negatives) {
+        (0, _) => Err(CalibrateError::NoPositives(path.to_path_buf(), episodes.len())),
+        (_, 0) => Err(CalibrateError::NoNegatives(path.to_path_buf(), episodes.len())),
+        _ => Ok(()),
+    }
+}
+
 /// Writes the chosen threshold into `dir`'s askgui.json (which must exist: it also holds the prompt
-/// settings the threshold was measured with).
-pub fn write_to_card(dir: &Path, c: &Calibration) -> Result<PathBuf, CalibrateError> {
+/// settings the threshold was measured with). A threshold whose FPR misses the bound is written only
+/// with `force`.
+pub fn write_to_card(dir: &Path, c: &Calibration, force: bool) -> Result<PathBuf, CalibrateError> {
+    if !c.bound_met && !force {
+        return Err(CalibrateError::BoundMissed {
+            dir: dir.display().to_string(),
+            target: c.target_fpr,
+            fpr: c.chosen.fpr.map_or("–".into(), |f| format!("{f:.4}")),
+            threshold: c.threshold,
+        });
+    }
     let path = dir.join(askgui_data::adapter_card::FILE);
     let card_err = |reason: String| CalibrateError::Card { path: path.clone(), reason };
     let mut card = AdapterCard::read(dir).map_err(|e| card_err(e.to_string()))?.ok_or_else(|| {

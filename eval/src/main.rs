@@ -139,6 +139,9 @@ struct CalibrateArgs {
     /// Only report; write no askgui.json.
     #[arg(long, conflicts_with = "card")]
     no_write: bool,
+    /// Write the threshold even when no threshold kept the FPR within --target-fpr.
+    #[arg(long, conflicts_with = "no_write")]
+    force: bool,
     #[command(flatten)]
     matching: MatchConfig,
     #[command(flatten)]
@@ -219,16 +222,17 @@ fn calibrate(mut a: CalibrateArgs) -> anyhow::Result<()> {
     let c = calibrate::calibrate(agent.as_ref(), &episodes, &cfg, a.target_fpr)?;
     calibrate::report::write(&cfg.out, &c)?;
     print!("{}", calibrate::report::markdown(&c));
+    eprintln!("reports written to {}", cfg.out.display());
     if !c.bound_met {
-        eprintln!("warning: no threshold kept the ask FPR within {}; chose the lowest FPR", c.target_fpr);
+        eprintln!("warning: no threshold kept the ask FPR within {}; the lowest FPR is shown", c.target_fpr);
     }
     match card {
         Some(dir) => {
-            eprintln!("pause threshold {:.4} written to {}", c.threshold, calibrate::write_to_card(&dir, &c)?.display())
+            let path = calibrate::write_to_card(&dir, &c, a.force)?;
+            eprintln!("pause threshold {:.4} written to {}", c.threshold, path.display())
         }
         None => eprintln!("pause threshold {:.4} (not written: --no-write)", c.threshold),
     }
-    eprintln!("reports written to {}", cfg.out.display());
     Ok(())
 }
 

@@ -38,6 +38,8 @@ pub enum RuleSet {
     /// AITW's action matching, with text compared (see [`published`]).
     AndroidControl,
     /// Mind2Web's element accuracy and operation F1 = 1 (see [`published`]).
+    #[value(name = "mind2web", alias = "mind2-web")]
+    #[serde(rename = "mind2web", alias = "mind2-web")]
     Mind2Web,
     /// GUI-Odyssey's own action matching (see [`published`]).
     GuiOdyssey,
@@ -77,6 +79,11 @@ pub struct MatchConfig {
     /// AITW's rule: inside the target box OR within the distance (default: the box alone when known).
     #[arg(long = "match-box-or-distance", default_value_t = false)]
     pub box_or_distance: bool,
+    /// Count a point on a target box's right or bottom edge as inside (default: boxes are half-open,
+    /// `[x1, x2) x [y1, y2)`, as episodes store them).
+    #[arg(long = "match-box-edges", default_value_t = false)]
+    #[serde(default)]
+    pub box_edges: bool,
     /// Which rules score a step: auto (AndroidControl's and Mind2Web's published rules for the episodes
     /// converted from them, ours for the rest), or one set for every episode.
     #[arg(long = "match-rules", value_enum, default_value_t = RuleSet::Auto)]
@@ -92,6 +99,7 @@ impl Default for MatchConfig {
             max_box_fraction: 0.5,
             no_infer_element: false,
             box_or_distance: false,
+            box_edges: false,
             rules: RuleSet::Auto,
         }
     }
@@ -153,7 +161,7 @@ impl MatchConfig {
         let Some(pp) = p.xy().or_else(|| p.element.as_deref().and_then(find).map(Element::center)) else {
             return false;
         };
-        let in_box = gold_box.map(|b| b.contains(pp.0, pp.1));
+        let in_box = gold_box.map(|b| self.inside(b, pp.0, pp.1));
         let gp = g.xy().or_else(|| g.element.as_deref().and_then(find).map(Element::center));
         let near = gp.is_some_and(|gp| self.near(pp, gp, screen));
         match in_box {
@@ -178,8 +186,18 @@ impl MatchConfig {
         let (x, y) = g.xy()?;
         let screen_area = f64::from(screen.width.max(1)) * f64::from(screen.height.max(1));
         els.iter()
-            .filter(|e| e.contains(x, y) && (area(e) as f64) <= self.max_box_fraction * screen_area)
+            .filter(|e| self.inside(e, x, y) && (area(e) as f64) <= self.max_box_fraction * screen_area)
             .min_by_key(|e| area(e))
+    }
+
+    /// Whether `(x, y)` is in `e`'s box: half-open as stored, or with its right and bottom edges when
+    /// `box_edges` is set.
+    fn inside(&self, e: &Element, x: i32, y: i32) -> bool {
+        let [x1, y1, x2, y2] = e.bbox;
+        match self.box_edges {
+            true => x >= x1 && x <= x2 && y >= y1 && y <= y2,
+            false => e.contains(x, y),
+        }
     }
 
     /// Whether two points are within `distance` in screen-normalised coordinates.
@@ -323,6 +341,49 @@ pub(crate) mod tests {
         assert!(!m.matches(&click(10, 950), &named, SCREEN, Some(&els)));
         // Only the full-screen root contains the point: too large to be a target, distance rule.
         assert!(!m.matches(&click(10, 10), &click(500, 1500), SCREEN, Some(&els[..1])));
+    }
+
+    #[test]
+    fn box_edges() {
+        // Rows [900, 1000) and [1000, 1100) share the line y = 1000; the annotated click is the first
+        // row's centre. Half-open boxes (the default): (500, 1000) is the second row's first line, not the
+        // first row's, so no match; (999, 950) is the first row's last column, a match; (1000, 950) is
+        // past it.
+        let els = vec![el("row", [0, 900, 1000, 1000]), el("next", [0, 1000, 1000, 1100])];
+        let gold = click(500, 950);
+        let m = MatchConfig::default();
+        assert!(!m.matches(&click(500, 1000), &gold, SCREEN, Some(&els)));
+        assert!(m.matches(&click(999, 950), &gold, SCREEN, Some(&els)));
+        assert!(!m.matches(&click(1000, 950), &gold, SCREEN, Some(&els)));
+        // With the right and bottom edges inside, both points on the edges match.
+        let edges = MatchConfig { box_edges: true, ..m };
+        assert!(edges.matches(&click(500, 1000), &gold, SCREEN, Some(&els)));
+        assert!(edges.matches(&click(1000, 950), &gold, SCREEN, Some(&els)));
+        assert!(!edges.matches(&click(500, 1001), &gold, SCREEN, Some(&els)));
+    }
+
+    #[test]
+    fn rule_names_on_the_command_line() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            m: MatchConfig,
+        }
+        use clap::Parser;
+        // The names eval/README.md lists, and the earlier spelling of Mind2Web's.
+        for (name, rules) in [
+            ("synthetic", RuleSet::Synthetic),
+            ("android-control", RuleSet::AndroidControl),
+            ("mind2web", RuleSet::Mind2Web),
+            ("mind2-web", RuleSet::Mind2Web),
+            ("gui-odyssey", RuleSet::GuiOdyssey),
+        ] {
+            let cli = Cli::try_parse_from(["x", "--match-rules", name]).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(cli.m.rules, rules);
+        }
+        let json = serde_json::to_string(&RuleSet::Mind2Web).unwrap();
+        assert_eq!(json, "\"mind2web\"");
+        assert_eq!(serde_json::from_str::<RuleSet>("\"mind2-web\"").unwrap(), RuleSet::Mind2Web);
     }
 
     #[test]

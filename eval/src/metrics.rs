@@ -9,6 +9,7 @@
 //! A ratio with a zero denominator is `None` (shown as "–"), never 0. What the papers leave open is a
 //! [`MetricOptions`] field, so that `askgui-eval sensitivity` can show how far each choice moves the table.
 
+use askgui_data::Action;
 use serde::{Deserialize, Serialize};
 
 use crate::ask_behaviour::{ask_behaviour, AskBehaviour};
@@ -99,11 +100,41 @@ pub enum EarlyAsk {
     Positive,
 }
 
+/// Which steps are the negatives of the per-step ask FPR in Standard and Dual (Navi-plus is silent; see
+/// README).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AskNegatives {
+    /// Every step that is not annotated, once: each step is one unit of the confusion matrix (an annotated
+    /// step is its positive, TP or FN), so positives + negatives = steps.
+    #[default]
+    Unannotated,
+    /// Also the prediction of each annotated step after its QA pair (the one its action is scored on): an
+    /// ask there is a FP, anything else a TN.
+    WithReprediction,
+}
+
+/// Which annotated steps a Morae strict task must pause at (Morae §5.1 defines one pause step per task and
+/// is silent on tasks with two; see README).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseSteps {
+    /// Every one, each exactly, acting right on each answer while another remains.
+    #[default]
+    Every,
+    /// The first one is the task's pause step: a pause exactly there is a TP and a task success.
+    First,
+}
+
 /// The choices the papers leave open.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MetricOptions {
     pub ask_step: AskStepRule,
     pub early_ask: EarlyAsk,
+    #[serde(default)]
+    pub ask_negatives: AskNegatives,
+    #[serde(default)]
+    pub pause_steps: PauseSteps,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -289,11 +320,22 @@ pub fn step_counts(r: &EpisodeResult, opts: MetricOptions) -> Counts {
         } else {
             c.fn_ += 1;
         }
-        if r.mode == Mode::Dual && o.credited && !o.exact {
+        // Credited and early, whether or not the agent also asked at the annotated step itself.
+        if r.mode == Mode::Dual && o.credited {
             early.extend(o.asked_at.filter(|&j| j < o.step));
         }
     }
-    for s in r.steps.iter().filter(|s| !r.ask_steps.contains(&s.step)) {
+    for s in &r.steps {
+        if r.ask_steps.contains(&s.step) {
+            if opts.ask_negatives == AskNegatives::WithReprediction {
+                // The prediction after the QA pair, which the step's action is scored on.
+                match s.predicted {
+                    Some(Action::Ask(_)) => c.fp += 1,
+                    _ => c.tn += 1,
+                }
+            }
+            continue;
+        }
         let credited_early = early.contains(&s.step);
         match (s.asked, credited_early, positive_early) {
             (true, true, true) => {}
@@ -302,6 +344,24 @@ pub fn step_counts(r: &EpisodeResult, opts: MetricOptions) -> Counts {
         }
     }
     c
+}
+
+/// A strict result read with the first annotated step as the task's pause step ([`PauseSteps::First`]):
+/// a pause exactly there is a TP and a success, and the walk ends there. Every other verdict is reached
+/// at or before that step, so it is the same under both readings.
+fn first_pause_step(r: &EpisodeResult) -> EpisodeResult {
+    let mut r = r.clone();
+    let Some(&a) = r.ask_steps.first() else { return r };
+    r.ask_steps.truncate(1);
+    r.asks.retain(|o| o.step == a);
+    if r.asks.first().is_some_and(|o| o.exact) {
+        r.strict = Some(StrictOutcome::Tp);
+        r.success = true;
+        if let Some(pause) = r.steps.iter().position(|s| s.step == a && s.asked) {
+            r.steps.truncate(pause + 1);
+        }
+    }
+    r
 }
 
 fn strict_counts(nonempty: &[&EpisodeResult]) -> StrictCounts {
@@ -353,6 +413,13 @@ pub fn compute_with(
     scorer: &dyn ContentScorer,
     opts: MetricOptions,
 ) -> ModeMetrics {
+    let first_pause: Vec<EpisodeResult>;
+    let results = if mode == Mode::Strict && opts.pause_steps == PauseSteps::First {
+        first_pause = results.iter().map(first_pause_step).collect();
+        &first_pause[..]
+    } else {
+        results
+    };
     let nonempty: Vec<&EpisodeResult> = results.iter().filter(|r| r.num_steps > 0).collect();
     let t = step_sums(&nonempty, opts);
     let strict_mode = mode == Mode::Strict;
@@ -448,6 +515,13 @@ mod tests {
         assert_eq!(t.recall, Some(1.0 / 3.0));
         assert_eq!(t.fpr, Some(1.0 / 7.0));
         assert_eq!(t.f1, Some(0.4));
+        // No positive and no ask (TN only): precision 0/0, recall 0/0, F1 0/(0+0+0): "–"; FPR 0/5 = 0.
+        let t = AskTiming::from_counts(Counts { tn: 5, ..Counts::default() }, true);
+        assert_eq!((t.precision, t.recall, t.fpr, t.f1), (None, None, Some(0.0), None));
+        // Never asked where an ask was needed: precision 0/0 is "–", but recall 0/1 and F1 0/(0+0+1) are
+        // real zeros (the agent found none of the asks it had to find).
+        let t = AskTiming::from_counts(Counts { fn_: 1, tn: 5, ..Counts::default() }, false);
+        assert_eq!((t.precision, t.recall, t.fpr, t.f1), (None, Some(0.0), None, Some(0.0)));
     }
 
     #[test]

@@ -448,10 +448,9 @@ pub fn ask_behaviour_svg(modes: &[ModeMetrics]) -> String {
         d.dedup();
         d
     };
-    let value = |b: &AskBehaviour, d: usize| {
-        b.by_details.iter().find(|r| r.details == d).and_then(|r| r.asks_per_task).unwrap_or(0.0)
-    };
-    let max = rows.iter().flat_map(|(_, b)| details.iter().map(|&d| value(b, d))).fold(0.0, f64::max);
+    // None (no task of that kind): no bar, a "–" where it would stand, never a bar of height 0.
+    let value = |b: &AskBehaviour, d: usize| b.by_details.iter().find(|r| r.details == d).and_then(|r| r.asks_per_task);
+    let max = rows.iter().flat_map(|(_, b)| details.iter().filter_map(|&d| value(b, d))).fold(0.0, f64::max);
     let y_max = (max * 2.0).ceil().max(1.0) / 2.0;
     axes(&mut s, y_max, "asks per task", "details the task leaves out", |v| format!("{v:.1}"));
     if details.is_empty() {
@@ -464,7 +463,11 @@ pub fn ask_behaviour_svg(modes: &[ModeMetrics]) -> String {
     for (gi, &d) in details.iter().enumerate() {
         let gx = x0 + group * gi as f64 + group * 0.1;
         for (k, (m, b)) in rows.iter().enumerate() {
-            let v = value(b, d);
+            let Some(v) = value(b, d) else {
+                let x = gx + bw * k as f64 + bw * 0.45;
+                let _ = writeln!(s, "<text x=\"{x:.1}\" y=\"{:.1}\" text-anchor=\"middle\">–</text>", y0 - 4.0);
+                continue;
+            };
             let h = (y0 - y1) * v / y_max;
             let _ = writeln!(
                 s,
@@ -524,5 +527,30 @@ mod tests {
         let svg = ask_offset_svg(&r);
         assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n") && svg.contains("no ASK predicted"));
         assert!(step_accuracy_svg(&r.modes).contains("no steps"));
+    }
+
+    #[test]
+    fn a_missing_value_is_a_dash_in_the_plot_not_a_bar_of_zero() {
+        use crate::ask_behaviour::{AskBehaviour, ByDetails, FirstAsk};
+        let none = NoContentScorer("no model".into());
+        let row = |details, asks| ByDetails { details, tasks: 1, sr: None, asks_per_task: asks, ask_recall: None };
+        let behaviour = |rows| AskBehaviour {
+            asks_per_task: None,
+            over_asking_rate: None,
+            needless_asks_per_ambiguous_task: None,
+            by_details: rows,
+            first_ask: FirstAsk::default(),
+        };
+        // +ASK has tasks with 0 and 1 details left out; Dual only with 0: its bar at 1 has no value.
+        let mut standard = compute(Mode::Standard, &[], &none);
+        standard.ask_behaviour = Some(behaviour(vec![row(0, Some(0.0)), row(1, Some(1.0))]));
+        let mut dual = compute(Mode::Dual, &[], &none);
+        dual.ask_behaviour = Some(behaviour(vec![row(0, Some(0.0))]));
+        let svg = ask_behaviour_svg(&[standard, dual]);
+        // Three bars with a value (two of them a true 0.000), one dash.
+        assert_eq!(svg.matches("<rect x=").count() - 2, 3, "{svg}"); // less the two legend swatches
+        assert_eq!(svg.matches(">–</text>").count(), 1, "{svg}");
+        assert_eq!(svg.matches("<title>standard: 0.000</title>").count(), 1, "{svg}");
+        assert_eq!(svg.matches("<title>dual: ").count(), 1, "{svg}");
     }
 }

@@ -4,7 +4,7 @@
 //! Metric choices ([`MetricOptions`], pooled against per-episode SSR) only re-aggregate the results.
 //! Matching variants score each step's saved prediction again ([`rescore`]); that is exact for the four
 //! Table 1 modes, whose calls do not depend on earlier verdicts, and not possible for Strict, whose walk
-//! stops at the first wrong step: Strict is left out.
+//! stops at the first wrong step: Strict gets the metric variants that concern it only.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -15,7 +15,9 @@ use thiserror::Error;
 
 use crate::identity;
 use crate::matching::{MatchConfig, RuleSet};
-use crate::metrics::{compute_with, AskStepRule, EarlyAsk, MetricOptions, ModeMetrics, NoContentScorer};
+use crate::metrics::{
+    compute_with, AskNegatives, AskStepRule, EarlyAsk, MetricOptions, ModeMetrics, NoContentScorer, PauseSteps,
+};
 use crate::modes::{EpisodeResult, Mode};
 use crate::runner::results_path;
 
@@ -31,8 +33,29 @@ pub enum SensitivityError {
     Results { path: PathBuf, line: usize, reason: String },
     #[error("episodes: {0}")]
     Episodes(String),
-    #[error("{0}: no results of original, incomplete, standard or dual")]
-    NoTableModes(PathBuf),
+    #[error("{0}: no results of any mode (results-<mode>.jsonl)")]
+    NoResults(PathBuf),
+}
+
+/// Which modes a variant is shown for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applies {
+    /// Every mode (the defaults).
+    All,
+    /// The four Table 1 modes.
+    Table,
+    /// Strict only.
+    Strict,
+}
+
+impl Applies {
+    fn to(self, mode: Mode) -> bool {
+        match self {
+            Applies::All => true,
+            Applies::Table => mode != Mode::Strict,
+            Applies::Strict => mode == Mode::Strict,
+        }
+    }
 }
 
 /// One way of scoring: the metric options, pooled or per-episode SSR, and the matching rule.
@@ -42,22 +65,30 @@ pub struct Variant {
     pub opts: MetricOptions,
     pub pooled: bool,
     pub matching: MatchConfig,
+    pub applies: Applies,
 }
 
 /// The defaults first, then one open choice changed at a time, then the earlier definitions
 /// together (pooled, the ask required at its step, early asks as positives).
 pub fn variants(base: &MatchConfig) -> Vec<Variant> {
-    let v = |name, opts, pooled, matching| Variant { name, opts, pooled, matching };
+    let v = |name, opts, pooled, matching| Variant { name, opts, pooled, matching, applies: Applies::Table };
     let d = MetricOptions::default();
     let require = MetricOptions { ask_step: AskStepRule::RequireAsk, ..d };
     let early = MetricOptions { early_ask: EarlyAsk::Positive, ..d };
-    let old = MetricOptions { ask_step: AskStepRule::RequireAsk, early_ask: EarlyAsk::Positive };
+    let reprediction = MetricOptions { ask_negatives: AskNegatives::WithReprediction, ..d };
+    let first = MetricOptions { pause_steps: PauseSteps::First, ..d };
+    let old = MetricOptions { ask_step: AskStepRule::RequireAsk, early_ask: EarlyAsk::Positive, ..d };
     let m = *base;
     vec![
-        v("papers' definitions (default)", d, false, m),
+        Variant { applies: Applies::All, ..v("papers' definitions (default)", d, false, m) },
         v("SSR pooled over steps", d, true, m),
         v("ask step right only if asked", require, false, m),
         v("Dual: early ask is the positive", early, false, m),
+        v("FPR: the re-prediction after the QA pair is a negative", reprediction, false, m),
+        Variant {
+            applies: Applies::Strict,
+            ..v("strict: the first annotated step is the pause step", first, false, m)
+        },
         v("text: token F1 > 0.3", d, false, MatchConfig { text_f1: 0.3, ..m }),
         v("text: token F1 > 0.7", d, false, MatchConfig { text_f1: 0.7, ..m }),
         v("text: token F1 = 1", d, false, MatchConfig { text_f1: 1.0 - 1e-9, ..m }),
@@ -65,6 +96,7 @@ pub fn variants(base: &MatchConfig) -> Vec<Variant> {
         v("click: distance 0.20 (no box)", d, false, MatchConfig { distance: 0.20, ..m }),
         v("click: box or distance (AITW)", d, false, MatchConfig { box_or_distance: true, ..m }),
         v("click: no inferred box", d, false, MatchConfig { no_infer_element: true, ..m }),
+        v("click: a box's right and bottom edges inside", d, false, MatchConfig { box_edges: true, ..m }),
         v("our rules for every dataset", d, false, MatchConfig { rules: RuleSet::Synthetic, ..m }),
         v("earlier askgui: pooled, ask required, early positive", old, true, m),
     ]
@@ -135,9 +167,9 @@ pub fn tables(dirs: &[PathBuf], episodes: Option<&Path>) -> Result<String, Sensi
             .into_iter()
             .map(|e| (e.episode.id.clone(), e.episode))
             .collect();
-        let modes: Vec<Mode> = Mode::TABLE.into_iter().filter(|m| results_path(dir, *m).is_file()).collect();
+        let modes: Vec<Mode> = Mode::ALL.into_iter().filter(|m| results_path(dir, *m).is_file()).collect();
         if modes.is_empty() {
-            return Err(SensitivityError::NoTableModes(dir.clone()));
+            return Err(SensitivityError::NoResults(dir.clone()));
         }
         for mode in modes {
             let results = read_results(&results_path(dir, mode))?;
@@ -153,7 +185,7 @@ fn mode_table(s: &mut String, mode: Mode, results: &[EpisodeResult], vs: &[Varia
     let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
     let base = scored(mode, results, &vs[0], eps);
     let ask = |m: &ModeMetrics, f: fn(&crate::metrics::AskTiming) -> Option<f64>| m.ask.as_ref().and_then(f);
-    for v in vs {
+    for v in vs.iter().filter(|v| v.applies.to(mode)) {
         let m = scored(mode, results, v, eps);
         let _ = writeln!(
             s,

@@ -148,11 +148,11 @@ fn calibrate_picks_the_best_f1_within_the_fpr_bound() {
     std::fs::create_dir_all(&card_dir).unwrap();
     let card = AdapterCard::new(&PromptConfig::default(), 0);
     card.write(&card_dir).unwrap();
-    write_to_card(&card_dir, &c).unwrap();
+    write_to_card(&card_dir, &c, false).unwrap();
     let read = AdapterCard::read(&card_dir).unwrap().unwrap();
     assert_eq!(read.pause_threshold(), Some(0.6));
     assert_eq!(read.prompt, card.prompt);
-    assert!(write_to_card(&out.join("no-card"), &c).unwrap_err().to_string().contains("no askgui.json"));
+    assert!(write_to_card(&out.join("no-card"), &c, false).unwrap_err().to_string().contains("no askgui.json"));
 }
 
 #[test]
@@ -170,4 +170,48 @@ fn calibrate_refuses_an_agent_that_does_not_record_at_threshold_one() {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("askgui-eval-calibrate-plain");
     let err = calibrate(&Plain(agent), &eps, &config(&out), 0.05).unwrap_err().to_string();
     assert!(err.contains("pause_threshold 1"), "{err}");
+}
+
+#[test]
+fn a_threshold_that_misses_the_bound_is_written_only_with_force() {
+    // The last plain task's step 0 gets 0.95, above every ask: each threshold that asks anywhere asks
+    // there too, so no FPR is below 1/26 and a 0.01 bound is missed. The lowest FPR, 1/26, is had at
+    // 0.95 (TP 0: F1 0), 0.9 (TP 1, FN 3: F1 2/6) and 0.8 (TP 2, FN 2: F1 4/7); 0.7 adds plain0's FP.
+    // Ties go to the better F1: 0.8.
+    let (eps, mut agent) = fixture();
+    agent.p.insert(("plain5".into(), 0), 0.95);
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("askgui-eval-calibrate-missed");
+    let _ = std::fs::remove_dir_all(&out);
+    let c = calibrate(&agent, &eps, &config(&out), 0.01).unwrap();
+    assert!(!c.bound_met);
+    assert_eq!(c.threshold, 0.8);
+    assert!((c.chosen.fpr.unwrap() - 1.0 / NEGATIVE_STEPS).abs() < 1e-12);
+    assert!((c.chosen.strict_f1.unwrap() - 4.0 / 7.0).abs() < 1e-12);
+    let card_dir = out.join("adapter");
+    std::fs::create_dir_all(&card_dir).unwrap();
+    AdapterCard::new(&PromptConfig::default(), 0).write(&card_dir).unwrap();
+    let err = write_to_card(&card_dir, &c, false).unwrap_err().to_string();
+    assert!(err.contains("within 0.01") && err.contains("--force"), "{err}");
+    assert_eq!(AdapterCard::read(&card_dir).unwrap().unwrap().pause_threshold(), None, "nothing written");
+    write_to_card(&card_dir, &c, true).unwrap();
+    assert_eq!(AdapterCard::read(&card_dir).unwrap().unwrap().pause_threshold(), Some(0.8));
+}
+
+#[test]
+fn calibrate_refuses_a_split_that_cannot_measure_asking() {
+    let (eps, agent) = fixture();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("askgui-eval-calibrate-split");
+    let _ = std::fs::remove_dir_all(&out);
+    // The six plain tasks alone: no step needs an ask. Refused before the agent is called.
+    let plain: Vec<LoadedEpisode> = eps.iter().filter(|e| e.episode.id.starts_with("plain")).cloned().collect();
+    let err = calibrate(&agent, &plain, &config(&out), 0.05).unwrap_err().to_string();
+    assert!(err.contains("no step of its 6 episodes needs an ask") && err.contains("synth --split"), "{err}");
+    assert!(!out.join("results-standard.jsonl").exists());
+    // One-step tasks whose only step needs an ask: no step needs none, so no FPR.
+    let mut only = vec![episode("only0", 1, &[(0, "Which one?")], true), episode("only1", 1, &[(0, "Which?")], true)];
+    for (i, e) in only.iter_mut().enumerate() {
+        e.line = i + 1;
+    }
+    let err = calibrate(&agent, &only, &config(&out), 0.05).unwrap_err().to_string();
+    assert!(err.contains("no step of its 2 episodes needs no ask"), "{err}");
 }

@@ -12,7 +12,8 @@ use askgui_data::{Action, Ask, Episode, LoadedEpisode, Turn};
 use askgui_eval::agent::{Agent, AgentError, Prediction, StepInput};
 use askgui_eval::matching::MatchConfig;
 use askgui_eval::metrics::{
-    compute, compute_with, AskStepRule, ContentScorer, EarlyAsk, Metric, MetricOptions, ModeMetrics, StepAccuracy,
+    compute, compute_with, AskNegatives, AskStepRule, ContentScorer, EarlyAsk, Metric, MetricOptions, ModeMetrics,
+    PauseSteps, StepAccuracy,
 };
 use askgui_eval::modes::{evaluate_episode, Counts, EpisodeResult, Mode, StrictOutcome};
 use askgui_eval::runner::{run_eval, run_mode, EvalConfig, RunOptions};
@@ -478,6 +479,77 @@ fn dual_early_ask_keeps_recall_and_inserts_the_annotated_pair() {
     let (_, _, h) = seen.iter().find(|(_, step, h)| *step == 1 && h.len() == 3).expect("the second stream at 1");
     let asked = Action::Ask(Ask { question: "Which milk?".into(), options: vec![], kind: None });
     assert_eq!(h[1..], [Turn::Agent { action: asked }, Turn::Say { text: "answer to Which milk?".into() }]);
+}
+
+#[test]
+fn dual_credits_an_early_ask_also_when_the_agent_asks_at_the_annotated_step() {
+    // 5 steps, the annotated ASK at 3 ("Which milk?"); the agent asks at 1 (early) and again at 3 (exact),
+    // and acts right everywhere else, and on every prediction after a QA pair.
+    let eps = || vec![episode("both", 5, &[(3, "Which milk?")], true)];
+    let table = [(("both", 1, 0), Reply::Ask("Which milk?")), (("both", 3, 0), Reply::Ask("Which milk?"))];
+    let (res, dual, _) = case(eps(), &table, Mode::Dual);
+    // Algorithm 1: the first ask of the window is at 1 <= 3, so it is credited, and steps 1..=3 are
+    // predicted again with the annotated QA pair at 1: all right, and no ask at 2 in the second stream.
+    let o = &res[0].asks[0];
+    assert!((o.credited, o.exact, o.asked_at) == (true, true, Some(1)));
+    assert_eq!(correct_steps(&res[0]), [true; 5]);
+    // By hand, the stated rule (a credited early ask is a TN in Dual): positive step 3 asked exactly: TP 1,
+    // FN 0. Negatives are the steps 0, 1, 2, 4: 0 and 4 no ask (TN), 1 the credited early ask (TN), 2 the
+    // second stream's decision, no ask (TN): FP 0, TN 4. P = 1/1, R = 1/1, FPR = 0/4, F1 = 2/(2+0+0) = 1.
+    let d = dual.ask.as_ref().unwrap();
+    assert_eq!(d.counts, Counts { tp: 1, fp: 0, fn_: 0, tn: 4 });
+    assert_eq!((d.precision, d.recall, d.fpr, d.f1), (Some(1.0), Some(1.0), Some(0.0), Some(1.0)));
+    // +ASK gives no credit: the ask at 1 is a FP among the same 4 negatives (TN 0, 2, 4), the exact ask TP.
+    let (_, standard, _) = case(eps(), &table, Mode::Standard);
+    assert_eq!(standard.ask.as_ref().unwrap().counts, Counts { tp: 1, fp: 1, fn_: 0, tn: 3 });
+    // Early ask as the positive: the exact ask is the TP already; step 1 leaves the negatives: TN 0, 2, 4.
+    let opts = MetricOptions { early_ask: EarlyAsk::Positive, ..MetricOptions::default() };
+    let v = compute_with(Mode::Dual, &res, &FakeText, opts);
+    assert_eq!(v.ask.as_ref().unwrap().counts, Counts { tp: 1, fp: 0, fn_: 0, tn: 3 });
+}
+
+#[test]
+fn the_reprediction_after_the_qa_pair_as_a_negative() {
+    // 3 steps, annotated ASK at 1; the agent asks at 1, and again at 1 once the QA pair is in its history.
+    let eps = || vec![episode("again", 3, &[(1, "Which one?")], true)];
+    let table = [(("again", 1, 0), Reply::Ask("Which one?")), (("again", 1, 1), Reply::Ask("Which one?"))];
+    let (res, m, _) = case(eps(), &table, Mode::Standard);
+    // Default: one unit per step. TP at 1, TN at 0 and 2; the second ask only makes step 1's action wrong.
+    assert_eq!(m.ask.as_ref().unwrap().counts, Counts { tp: 1, fp: 0, fn_: 0, tn: 2 });
+    assert_eq!(correct_steps(&res[0]), [true, false, true]);
+    // Counting the re-prediction as a negative: its ask is a FP (FPR 1/3 instead of 0/2).
+    let opts = MetricOptions { ask_negatives: AskNegatives::WithReprediction, ..MetricOptions::default() };
+    let v = compute_with(Mode::Standard, &res, &FakeText, opts);
+    assert_eq!(v.ask.as_ref().unwrap().counts, Counts { tp: 1, fp: 1, fn_: 0, tn: 2 });
+    close(v.ask.as_ref().unwrap().fpr, 1.0 / 3.0);
+    // The fixture's six annotated steps are all re-predicted without an ask: six more TNs (18 -> 24).
+    let (_, six) = fixture_results(Mode::Standard);
+    let v = compute_with(Mode::Standard, &six, &FakeText, opts);
+    assert_eq!(v.ask.as_ref().unwrap().counts, Counts { tp: 2, fp: 4, fn_: 4, tn: 24 });
+}
+
+#[test]
+fn strict_with_the_first_annotated_step_as_the_pause_step() {
+    // The fixture's e6 pauses right at 1, acts right on the answer, then pauses early at 2 (before 3):
+    // FP by default. With step 1 as its one pause step it is a TP and a success; nothing else changes
+    // (every other verdict is reached at or before the first annotated step). Default TP 1, FP 3, FN 2,
+    // TN 1 -> TP 2, FP 2, FN 2, TN 1; task success 2/8 -> 3/8, of the pause tasks 1/5 -> 2/5.
+    let (res, _) = fixture_results(Mode::Strict);
+    let opts = MetricOptions { pause_steps: PauseSteps::First, ..MetricOptions::default() };
+    let m = compute_with(Mode::Strict, &res, &FakeText, opts);
+    assert_eq!(m.ask.as_ref().unwrap().counts, Counts { tp: 2, fp: 2, fn_: 2, tn: 1 });
+    close(m.sr, 3.0 / 8.0);
+    close(m.sr_pause_required, 2.0 / 5.0);
+    // A right pause at the first step then a wrong action on its answer ("after" of the off-path test):
+    // FN off path by default, a TP here.
+    use Reply::{Ask, Wrong};
+    let eps = vec![episode("after", 5, &[(1, "Which size?"), (3, "Which milk?")], true)];
+    let table = [(("after", 1, 0), Ask("Which size?")), (("after", 1, 1), Wrong)];
+    let (res, m, _) = case(eps, &table, Mode::Strict);
+    assert_eq!(m.ask.as_ref().unwrap().counts, Counts { tp: 0, fp: 0, fn_: 1, tn: 0 });
+    let v = compute_with(Mode::Strict, &res, &FakeText, opts);
+    assert_eq!(v.ask.as_ref().unwrap().counts, Counts { tp: 1, fp: 0, fn_: 0, tn: 0 });
+    close(v.sr, 1.0);
 }
 
 #[test]

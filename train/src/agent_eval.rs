@@ -8,7 +8,8 @@
 //! with `--task-mode full`, eval's original mode, which scores no asks) and the model is taken back. The
 //! numbers are eval's: SSR and SR over the steps and episodes, ASK precision, recall and F1 per step. A
 //! ratio with a zero denominator (no ask predicted: no precision) is `None`, written as `null`, as in
-//! askgui-eval's reports.
+//! askgui-eval's reports; when the episodes cannot measure asking at all (no step needs an ask, or none
+//! needs none), `ask_note` says why ([`cannot_measure_asking`]) and the trainer warns once.
 //!
 //! The sample: the prompt of one validation sample up to its first target (the tokens the loss is on),
 //! answered greedily; the target is that span's text. Both are text in the model's coordinate frame, as
@@ -22,7 +23,7 @@ use askgui_eval::agent::AgentError;
 use askgui_eval::backends::InProcessAgent;
 use askgui_eval::matching::MatchConfig;
 use askgui_eval::metrics::{compute, NoContentScorer};
-use askgui_eval::modes::{evaluate_episode, Mode};
+use askgui_eval::modes::{annotated_ask_steps, evaluate_episode, Mode};
 use askgui_model::Qwen2Vl;
 use serde::Serialize;
 
@@ -45,6 +46,34 @@ pub struct AgentMetrics {
     pub ask_precision: Option<f64>,
     pub ask_recall: Option<f64>,
     pub ask_f1: Option<f64>,
+    /// Why these episodes cannot measure asking (standard mode), when they cannot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ask_note: Option<String>,
+}
+
+/// Why `episodes` cannot measure asking in `mode`: no step needs an ask (recall and F1 stay null), or
+/// none needs none (no needless ask can be seen). None when they can, or when `mode` scores no asks.
+pub fn cannot_measure_asking(episodes: &[LoadedEpisode], mode: Mode) -> Option<String> {
+    if !mode.scores_asks() || episodes.is_empty() {
+        return None;
+    }
+    let steps: usize = episodes.iter().map(|e| e.episode.steps.len()).sum();
+    let needed: usize = episodes.iter().map(|e| annotated_ask_steps(e).len()).sum();
+    let n = episodes.len();
+    if needed == 0 {
+        Some(format!(
+            "no step of the {n} validation episodes evaluated needs an ask (no ambiguous task): ask recall and F1 \
+             stay null. Give a validation split with ambiguous episodes (askgui-data synth --split puts some in \
+             every split) or more --eval-episodes"
+        ))
+    } else if needed == steps {
+        Some(format!(
+            "every step of the {n} validation episodes evaluated needs an ask: a needless ask cannot happen, so \
+             ask precision says nothing about over-asking"
+        ))
+    } else {
+        None
+    }
 }
 
 /// The eval mode for a training task mode.
@@ -91,6 +120,7 @@ pub fn run_agent_eval(agent: &InProcessAgent, episodes: &[LoadedEpisode], mode: 
         ask_precision: ask.and_then(|a| a.precision),
         ask_recall: ask.and_then(|a| a.recall),
         ask_f1: ask.and_then(|a| a.f1),
+        ask_note: cannot_measure_asking(episodes, mode),
     };
     Ok(metrics)
 }
@@ -147,4 +177,53 @@ pub fn load_val_episodes(path: &Path, limit: usize, skip_bad: bool) -> Result<Ve
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use askgui_data::{Action, Episode, Platform, Screen, Step, StepAsk};
+
+    /// An episode of `n` steps whose step `ask` (if any) needs an ask (ambiguous task).
+    fn ep(id: &str, n: usize, ask: Option<usize>) -> LoadedEpisode {
+        let steps = (0..n)
+            .map(|i| Step {
+                screenshot: format!("{id}-{i}.png"),
+                elements: None,
+                instruction: None,
+                informative: None,
+                action: Action::Press { key: "back".into() },
+                ask: (ask == Some(i)).then(|| StepAsk {
+                    question: "Which one?".into(),
+                    answer: "That one".into(),
+                    options: vec![],
+                    kind: None,
+                }),
+            })
+            .collect();
+        let episode = Episode {
+            id: id.into(),
+            platform: Platform::Android,
+            screen: Screen { width: 100, height: 100 },
+            task: "full".into(),
+            ambiguous_task: ask.map(|_| "vague".into()),
+            steps,
+        };
+        LoadedEpisode { episode, base: ".".into(), line: 1 }
+    }
+
+    #[test]
+    fn says_when_the_split_cannot_measure_asking() {
+        // Two plain episodes: no step needs an ask.
+        let plain = [ep("a", 3, None), ep("b", 2, None)];
+        let why = cannot_measure_asking(&plain, Mode::Standard).expect("nothing to measure");
+        assert!(why.contains("no step of the 2 validation episodes") && why.contains("recall"), "{why}");
+        // One-step episodes whose step needs an ask: no step needs none.
+        let only = [ep("c", 1, Some(0))];
+        assert!(cannot_measure_asking(&only, Mode::Standard).unwrap().contains("needless ask cannot happen"));
+        // One of each: measurable. The original mode scores no asks: nothing to say.
+        let mixed = [ep("a", 3, None), ep("d", 3, Some(1))];
+        assert_eq!(cannot_measure_asking(&mixed, Mode::Standard), None);
+        assert_eq!(cannot_measure_asking(&plain, Mode::Original), None);
+    }
 }

@@ -296,6 +296,9 @@ impl<'a> Run<'a> {
             _ => Vec::new(),
         };
         let eval_mode = agent_eval::mode_for(cfg.data.task_mode);
+        if let Some(why) = agent_eval::cannot_measure_asking(&val_episodes, eval_mode) {
+            tracing::warn!("eval: {why}");
+        }
         let o = &cfg.optim;
         let n = train.samples.len();
         let sequences_per_step = cfg.sequences_per_step() * ranks;

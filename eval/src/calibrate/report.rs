@@ -26,7 +26,7 @@ pub fn write(dir: &Path, c: &Calibration) -> Result<Vec<PathBuf>, CalibrateError
 }
 
 fn num(v: Option<f64>) -> String {
-    v.map_or_else(|| "-".into(), |v| format!("{v:.3}"))
+    v.map_or_else(|| "–".into(), |v| format!("{v:.3}"))
 }
 
 fn reliability_table(s: &mut String, title: &str, r: &Reliability) {
