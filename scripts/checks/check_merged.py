@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Check a checkpoint written by `askgui-train merge` with Hugging Face transformers and PEFT.
 
-Loads the merged folder as a plain `Qwen2_5_VLForConditionalGeneration` / `Qwen2VLForConditionalGeneration`
-(no PEFT) and fails on any entry of transformers' load report (missing, unexpected or mismatched weights,
-or a warning logged while loading). Then loads the base with the adapter through PEFT (unmerged), runs both
-on the same prompt with an image, and prints the largest logit difference relative to the largest logit
-magnitude. It fails when that exceeds `--rtol` (default 1e-4: both run in f32; merging only changes the
-summation order). `scripts/checks/peft_interop.py` runs the same load check on a fresh merge.
+Loads the merged folder as a plain model of its family (config.json's model_type, through the fixtures' table
+of transformers classes: Qwen2-VL, Qwen2.5-VL or Qwen3-VL; no PEFT) and fails on any entry of transformers'
+load report (missing, unexpected or mismatched weights, or a warning logged while loading). Then loads the
+base with the adapter through PEFT (unmerged), runs both on the same prompt with an image, and prints the
+largest logit difference relative to the largest logit magnitude. It fails when that exceeds `--rtol` (default
+1e-4: both run in f32; merging only changes the summation order). `scripts/checks/peft_interop.py` runs the
+same load check on a fresh merge.
 
 The prompt is a `case.safetensors` (input_ids, pixel_values, image_grid_thw), by default the tiny test
 fixture's case. Not run by the tests (it needs torch, transformers 5 and peft):
@@ -28,15 +29,21 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts" / "fixtures"))  # make_fixtures: the family classes
 CASE = REPO_ROOT / "model/tests/fixtures/tiny-qwen2_5_vl/case.safetensors"
 
 
 def model_class(ckpt: Path):
-    model_type = json.loads((ckpt / "config.json").read_text())["model_type"]
-    return {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration}[model_type]
+    """The transformers model class of the checkpoint's family (config.json's model_type)."""
+    from make_fixtures import FAMILY_CLASSES, family_class
+
+    model_type = json.loads((ckpt / "config.json").read_text()).get("model_type")
+    if model_type not in FAMILY_CLASSES:
+        raise ValueError(f"{ckpt}/config.json: model_type {model_type!r} is not a family the fixtures know "
+                         f"({', '.join(FAMILY_CLASSES)})")
+    return family_class(model_type, "model")
 
 
 def load(ckpt: Path):

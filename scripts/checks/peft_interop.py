@@ -2,8 +2,8 @@
 """Check that LoRA adapters and merged checkpoints travel between askgui and PEFT / transformers.
 
 Everything is loaded as a user would, with defaults: `PeftModel.from_pretrained(base, DIR)` and
-`from_pretrained(DIR)`. On a Qwen2.5-VL checkpoint (default: the tiny test fixture), with text and
-vision-tower targets (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj qkv attn.proj):
+`from_pretrained(DIR)`. On a Qwen2.5-VL or Qwen3-VL checkpoint (default: the tiny Qwen2.5-VL test fixture;
+the family is config.json's model_type), with the family's text and vision-tower targets (FAMILY_TARGETS):
 
 1. PEFT -> askgui: a PEFT LoRA with seeded random A and B, `save_pretrained`; askgui's `generate` example
    runs it (`--adapter DIR --dump FILE`) and PEFT runs the dumped input_ids / pixel_values / image_grid_thw.
@@ -18,10 +18,12 @@ warning), the logits agree within 1e-4 of their largest magnitude, the adapter m
 vision-tower LoRA is applied: PEFT with the vision lora_B zeroed must differ from askgui by more than ten
 times the tolerance. With `--record FILE` (scripts/checks/peft_interop.json in the repo) a passing run
 writes the versions, the trainer's flags and default layout, and the adapter keys PEFT expects;
-train/tests/peft_interop_record.rs checks the trainer against that file.
+train/tests/peft_interop_record.rs checks the trainer against that file. That file is the default
+checkpoint's record: run other checkpoints without --record.
 
     python scripts/checks/peft_interop.py [--model DIR] [--bin-dir target/debug | --release] \
         [--record scripts/checks/peft_interop.json] [--keep]
+    python scripts/checks/peft_interop.py --model model/tests/fixtures/tiny-qwen3_vl --bin-dir target/debug
 
 The askgui programs run through `cargo run` (which builds them) unless --bin-dir names a folder holding
 `askgui-train`, `askgui-data` and `examples/generate`. The checkpoint needs a tokenizer.json. Needs torch,
@@ -49,15 +51,35 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts" / "fixtures"))  # make_fixtures
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # check_merged
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv", "attn.proj"]
+TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The LoRA targets of each family (config.json's model_type); the model class is the fixtures' table
+# (make_fixtures.FAMILY_CLASSES, through check_merged.model_class). Every family takes the same inputs,
+# mm_token_type_ids included (model_inputs). Qwen3-VL's `linear_fc1/2` are the vision blocks' MLP and
+# also reach the main merger and the DeepStack mergers (`deepstack_merger_list.N.linear_fc1/2`).
+FAMILY_TARGETS = {
+    "qwen2_5_vl": [*TEXT_TARGETS, "qkv", "attn.proj"],
+    "qwen3_vl": [*TEXT_TARGETS, "qkv", "attn.proj", "linear_fc1", "linear_fc2"],
+}
 RTOL = 1e-4
 SEED = 5
 PROMPT = "Where is the search box?"
-# askgui-train's flags besides --model, --data and --output-dir: defaults otherwise (the key layout
-# included), small enough to run in seconds on the tiny fixture.
-TRAIN_FLAGS = ["--max-pixels", "12544", "--max-steps", "3", "--grad-accum", "1", "--warmup-steps", "0",
-               "--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", ",".join(TARGETS),
-               "--eval-episodes", "0", "--progress", "false"]
+
+
+def train_flags(targets: list[str]) -> list[str]:
+    """askgui-train's flags besides --model, --data and --output-dir: defaults otherwise (the key layout
+    included), small enough to run in seconds on the tiny fixture."""
+    return ["--max-pixels", "12544", "--max-steps", "3", "--grad-accum", "1", "--warmup-steps", "0",
+            "--lr", "1e-2", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", ",".join(targets),
+            "--eval-episodes", "0", "--progress", "false"]
+
+
+def family_targets(ckpt: Path) -> list[str]:
+    """The LoRA targets of the checkpoint's family; a clear error for a family the check does not know."""
+    model_type = json.loads((ckpt / "config.json").read_text()).get("model_type")
+    if model_type not in FAMILY_TARGETS:
+        raise SystemExit(f"{ckpt}/config.json: model_type {model_type!r} is not one this check runs "
+                         f"({', '.join(FAMILY_TARGETS)}); add its LoRA targets to FAMILY_TARGETS")
+    return FAMILY_TARGETS[model_type]
 
 
 def parse_args() -> argparse.Namespace:
@@ -129,10 +151,10 @@ def card_layout(adapter: Path) -> str | None:
 
 
 def load_base(ckpt: Path):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """The checkpoint as its family's transformers model, f32 with eager attention."""
+    from check_merged import load
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(ckpt), attn_implementation="eager", dtype=torch.float32)
-    return model.eval()
+    return load(ckpt)
 
 
 @torch.no_grad()
@@ -147,11 +169,11 @@ def randomize_lora(model, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * 0.5 / math.sqrt(p.shape[1]))
 
 
-def peft_adapter(ckpt: Path, out: Path) -> None:
+def peft_adapter(ckpt: Path, targets: list[str], out: Path) -> None:
     """Direction 1's adapter: a fresh PEFT LoRA with random A and B, saved with save_pretrained."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, bias="none", task_type="CAUSAL_LM")
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(load_base(ckpt), cfg)
     randomize_lora(model, SEED)
     model.save_pretrained(str(out))
@@ -261,7 +283,7 @@ def default_image(work: Path) -> Path:
 
 def peft_to_askgui(args, work: Path, image: Path, record: dict) -> None:
     adapter = work / "peft_adapter"
-    peft_adapter(args.model, adapter)
+    peft_adapter(args.model, record["targets"], adapter)
     dump = askgui_dump(args, image, adapter, work / "dump_peft_adapter.safetensors")
     model, report, _ = load_peft_checked(args.model, adapter)
     record["results"]["peft_to_askgui"] = compare("PEFT -> askgui", dump["logits"].float(), model, dump, report)
@@ -273,7 +295,7 @@ def askgui_to_peft(args, work: Path, image: Path, record: dict) -> None:
                                      "--height", "400", "--split", "1:0:0", "--seed", str(SEED)])
     out = work / "run"
     run(args, "bin", "askgui-train", ["--model", str(args.model), "--data", str(data / "train.jsonl"),
-                                      "--output-dir", str(out), *TRAIN_FLAGS])
+                                      "--output-dir", str(out), *record["trainer_flags"]])
     adapter = sorted(out.glob("checkpoint-*"))[-1]
     layout = card_layout(adapter)
     if layout is None:
@@ -308,12 +330,13 @@ def main() -> None:
     args.model = args.model.resolve()
     if args.bin_dir is not None:
         args.bin_dir = args.bin_dir.resolve()
+    targets = family_targets(args.model)
     work = Path(tempfile.mkdtemp(prefix="peft_interop_"))
     image = args.image.resolve() if args.image else default_image(work)
     rel = args.model.relative_to(REPO_ROOT) if args.model.is_relative_to(REPO_ROOT) else args.model
     record = {"checked": datetime.date.today().isoformat(), "transformers": transformers.__version__,
-              "peft": peft.__version__, "torch": torch.__version__, "model": str(rel), "targets": TARGETS,
-              "trainer_flags": TRAIN_FLAGS, "rtol": RTOL, "results": {}}
+              "peft": peft.__version__, "torch": torch.__version__, "model": str(rel), "targets": targets,
+              "trainer_flags": train_flags(targets), "rtol": RTOL, "results": {}}
     ok = True
     for label, fn in [("PEFT -> askgui", peft_to_askgui), ("askgui -> PEFT", askgui_to_peft)]:
         try:
