@@ -23,8 +23,8 @@ pub struct DropoutKey {
     pub offset: u64,
 }
 
-const PHILOX_M: [u32; 2] = [0xD251_1F53, 0xCD9E_8D57];
-const PHILOX_W: [u32; 2] = [0x9E37_79B9, 0xBB67_AE85];
+pub(crate) const PHILOX_M: [u32; 2] = [0xD251_1F53, 0xCD9E_8D57];
+pub(crate) const PHILOX_W: [u32; 2] = [0x9E37_79B9, 0xBB67_AE85];
 
 /// Philox4x32 with 10 rounds (Random123's `philox4x32_10`): four 32-bit words from a 128-bit counter
 /// and a 64-bit key. `cuda/dropout.cu` is the same function in C.
@@ -44,7 +44,7 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 
 /// The Philox output of the group of four elements `group` (elements `4 group .. 4 group + 4`).
 #[inline]
-pub(crate) fn group_words(key: &DropoutKey, group: u64) -> [u32; 4] {
+fn group_words(key: &DropoutKey, group: u64) -> [u32; 4] {
     let counter = [group as u32, (group >> 32) as u32, key.layer as u32, (key.layer >> 32) as u32];
     philox4x32_10(counter, [key.seed as u32, (key.seed >> 32) as u32])
 }
