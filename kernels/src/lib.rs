@@ -6,6 +6,7 @@
 //!
 //! - [`attention`]: scaled dot-product attention with causal / block-diagonal masks, key padding and GQA.
 //! - [`norm`]: RMSNorm and LayerNorm.
+//! - [`dropout`](mod@dropout): LoRA dropout's counter-based mask (Philox of seed, layer and element).
 //! - [`rope`]: rotary embeddings, the multimodal M-RoPE of Qwen2-VL and the 2D rotary of its vision tower.
 //! - [`tiling`]: Qwen2-VL image preprocessing (smart_resize, bicubic antialiased resize, normalise, patchify),
 //!   batched; with the `cuda` feature also on the GPU (`tiling::cuda`), bit-exact with the CPU path.
@@ -15,6 +16,7 @@
 pub mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dropout;
 #[cfg(feature = "cpu-exec")]
 pub mod emu;
 pub mod norm;
@@ -25,6 +27,7 @@ pub mod selfcheck;
 pub mod tiling;
 
 pub use attention::{attention_reference, AttentionMask};
+pub use dropout::{dropout_keep_reference, dropout_reference, DropoutKey};
 pub use norm::{layer_norm_reference, rms_norm_reference};
 pub use rope::{
     mrope_cos_sin_reference, mrope_interleaved_cos_sin_reference, rope_reference, vision_rope_cos_sin_reference,

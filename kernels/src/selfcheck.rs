@@ -52,7 +52,7 @@ pub const TILING_BF16: Tol = Tol { atol: 0.0151, rtol: 1.0 / 256.0 };
 pub const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
 
 /// Every op the table covers (tiling only runs on a CUDA device; elsewhere its row says so).
-pub const OPS: [&str; 9] = [
+pub const OPS: [&str; 10] = [
     "attention",
     "rms_norm",
     "rms_norm_frozen",
@@ -61,6 +61,7 @@ pub const OPS: [&str; 9] = [
     "rope",
     "cross_entropy_masked",
     "frozen_linear",
+    "dropout",
     "tiling",
 ];
 
@@ -311,6 +312,7 @@ fn all_cases() -> Result<Vec<Case>> {
     cases.extend(rope_cases()?);
     cases.extend(cross_entropy_cases()?);
     cases.extend(frozen_linear_cases()?);
+    cases.extend(dropout_cases()?);
     cases.extend(qwen3_vl::cases()?);
     Ok(cases)
 }
@@ -510,6 +512,26 @@ fn frozen_linear_cases() -> Result<Vec<Case>> {
             inputs: vec![("x", Kind::Grad, x), ("w", Kind::Frozen, w)],
             op_fn: Box::new(|t| ops::frozen_linear(&t[0], &t[1])),
             reference: Box::new(|t| ops::frozen_linear_reference(&t[0], &t[1])),
+        });
+    }
+    Ok(out)
+}
+
+/// LoRA dropout at the default p = 0.05 and at 0.5, with an odd element count and an offset past 2^32
+/// groups: the op hashes its mask on the device, the reference on the CPU; the gradient is the mask again.
+fn dropout_cases() -> Result<Vec<Case>> {
+    let mut out = Vec::new();
+    let specs = [(vec![3usize, 7, 41], 0.05, 0u64), (vec![129, 17], 0.5, (1 << 34) + 3)];
+    for (n, (shape, p, offset)) in specs.into_iter().enumerate() {
+        let x = uniform(&shape, 600 + n as u64)?;
+        let key = crate::DropoutKey { seed: 0x5eed + n as u64, layer: 42, offset };
+        out.push(Case {
+            op: "dropout",
+            name: format!("p {p}, offset {offset}"),
+            shape: format!("x{}", dims(&x)),
+            inputs: vec![("x", Kind::Grad, x)],
+            op_fn: Box::new(move |t| ops::dropout(&t[0], p, key)),
+            reference: Box::new(move |t| crate::dropout_reference(&t[0], p, key)),
         });
     }
     Ok(out)

@@ -6,15 +6,14 @@
 //! gradients flow through the LoRA `Var`s only and no base weight gets a gradient; in full training the
 //! ops' `Params::Trained` variants and candle's matmul; with `--kernels reference` ([`KernelChoice`]) the
 //! ops' plain-candle twins through candle's autograd. LoRA dropout (PEFT's `lora_dropout`) is inverted
-//! dropout on the adapter's input, seeded per layer. This sits below [`crate::text`] and
-//! [`crate::vision`], which take it; the loss and the trainable adapters are [`crate::train`].
+//! dropout on the adapter's input whose mask is hashed inside the op from (step seed, layer, element)
+//! ([`askgui_kernels::dropout`]). This sits below [`crate::text`] and [`crate::vision`], which take it;
+//! the loss and the trainable adapters are [`crate::train`].
 
 use std::rc::Rc;
 
-use askgui_kernels::{ops, AttentionMask};
+use askgui_kernels::{ops, AttentionMask, DropoutKey};
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 use crate::attention_memo::{AttentionMemo, Next};
 use crate::device::KernelChoice;
@@ -28,7 +27,10 @@ pub(crate) const VISION_ROWS: usize = 8192;
 /// State of one training forward: the LoRA dropout probability and its seed, and which ops run.
 pub struct TrainCtx {
     dropout: f64,
+    /// The step's dropout seed ([`crate::StepOptions::dropout_seed`]).
     seed: u64,
+    /// The first row of the stage's input that this context's linears see ([`Self::for_rows`]).
+    row0: usize,
     /// Full training: the base weights are `Var`s and get gradients ([`crate::Qwen2Vl::make_base_trainable`]).
     pub(crate) full: bool,
     kernels: KernelChoice,
@@ -44,14 +46,14 @@ impl TrainCtx {
         if !(0.0..1.0).contains(&dropout) {
             return Err(ModelError::Train(format!("lora_dropout is {dropout}; it must be in [0, 1)")));
         }
-        Ok(Self { dropout, seed, full: false, kernels, vision_rows: VISION_ROWS, memo: Rc::default() })
+        Ok(Self { dropout, seed, row0: 0, full: false, kernels, vision_rows: VISION_ROWS, memo: Rc::default() })
     }
 
-    /// This context for the rows from `start` of a stage that runs range by range: the dropout masks of
-    /// each range come from a seed of its own (the same one at 0, so a single range draws what the whole
-    /// stage would), and its recomputation draws them again.
+    /// This context for the rows from `start` of a stage that runs range by range: its linears' inputs
+    /// are rows `start..` of the stage's, so their dropout masks are those rows of the whole stage's (the
+    /// split into ranges changes no mask), and the recomputation draws them again.
     pub(crate) fn for_rows(&self, start: usize) -> Self {
-        Self { seed: self.seed ^ (start as u64).wrapping_mul(0xd6e8_feb8_6659_fd93), memo: self.memo.clone(), ..*self }
+        Self { row0: start, memo: self.memo.clone(), ..*self }
     }
 
     fn reference(&self) -> bool {
@@ -129,20 +131,26 @@ impl TrainCtx {
     }
 
     /// Inverted dropout on the input of linear `name`: each element kept with probability `1 - p` and
-    /// scaled by `1 / (1 - p)`. The mask depends only on the seed and the layer's name (each linear runs
-    /// once per forward), so gradient checkpointing's recomputation draws the same mask.
+    /// scaled by `1 / (1 - p)`. The mask is a hash of the step's seed, the layer (FNV-1a of its name:
+    /// each linear runs once per forward) and the element's index in the stage's input, computed inside
+    /// the op, so gradient checkpointing's recomputation draws the same mask with no host work.
     fn dropout(&self, name: &str, x: &Tensor) -> candle_core::Result<Tensor> {
         if self.dropout == 0.0 {
             return Ok(x.clone());
         }
-        let keep = 1.0 - self.dropout;
-        // FNV-1a of the name, mixed with the seed.
-        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-        let mut rng = StdRng::seed_from_u64(h ^ self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let mask: Vec<f32> =
-            (0..x.elem_count()).map(|_| if rng.random::<f64>() < keep { (1.0 / keep) as f32 } else { 0.0 }).collect();
-        x * Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?
+        // Rows of `x (.., d)` count from the stage's row `row0`.
+        let d = x.dims().last().copied().unwrap_or(1) as u64;
+        let key = DropoutKey { seed: self.seed, layer: layer_id(name), offset: self.row0 as u64 * d };
+        match self.reference() {
+            true => askgui_kernels::dropout_reference(x, self.dropout, key),
+            false => ops::dropout(x, self.dropout, key),
+        }
     }
+}
+
+/// A linear's dropout layer id: the 64-bit FNV-1a hash of its checkpoint name.
+fn layer_id(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 /// `y (.., out) + bias (out)` with the bias frozen: the gradient passes to `y` only.
@@ -220,6 +228,7 @@ impl Linear {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::adapter_slot::{LoraDelta, LoraSlot};
     use crate::recompute::{forward_backward, Stage};
     use candle_core::{Device, Var};
     use std::ops::Range;
@@ -268,6 +277,72 @@ mod tests {
         assert!((l_memo - l_graph).abs() < 1e-12);
         for (a, b) in g_memo.iter().flatten().zip(g_graph.iter().flatten()) {
             assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+        }
+        Ok(())
+    }
+
+    /// Deterministic values in [-1, 1): a sine of the index, for shapes below.
+    fn values(dims: &[usize], phase: f64) -> candle_core::Result<Tensor> {
+        let n = dims.iter().product::<usize>();
+        Tensor::arange(0f64, n as f64, &Device::Cpu)?.affine(0.731, phase)?.sin()?.to_dtype(DType::F32)?.reshape(dims)
+    }
+
+    /// A LoRA linear `(13 -> 11)` with a bias, rank 3, scale 2, B non-zero so that A gets a gradient.
+    fn lora_linear() -> candle_core::Result<(Linear, Var, Var)> {
+        let (a, b) = (Var::from_tensor(&values(&[3, 13], 0.3)?)?, Var::from_tensor(&(values(&[11, 3], 0.7)? * 0.5)?)?);
+        let delta = LoraDelta { a: a.as_tensor().clone(), b: b.as_tensor().clone(), scale: 2.0 };
+        let lora = LoraSlot { adapters: [("t".to_string(), delta)].into(), active: Some("t".into()), merged: None };
+        let (weight, bias) = (values(&[11, 13], 1.1)?, Some(values(&[11], 1.9)?));
+        Ok((Linear { name: "model.layers.2.mlp.up_proj".into(), weight, bias, scales: None, lora }, a, b))
+    }
+
+    /// A LoRA step through the op's dropout equals the step written out by hand with the same mask (the
+    /// reference's keep bits for this seed, layer and rows): `y = x W^T + b + 2 ((x m / (1 - p)) A^T) B^T`,
+    /// loss `sum(y r)`, gradients of x, A and B within 1e-5 of their largest magnitude (f32, another
+    /// summation order through candle's matmul backward). The reference kernels give the same; a second
+    /// forward (checkpointing's recomputation) gives the same bits; the rows from 4 run alone through
+    /// [`TrainCtx::for_rows`] give those rows of the whole.
+    #[test]
+    fn lora_step_with_dropout_equals_the_reference_step_with_its_mask() -> Result<()> {
+        let (p, seed, dims) = (0.3, 77, [7usize, 13]);
+        let (linear, a, b) = lora_linear()?;
+        let x = Var::from_tensor(&values(&dims, 0.1)?)?;
+        let r = values(&[7, 11], 2.3)?;
+        let step = |y: &Tensor| -> candle_core::Result<(f32, Vec<Vec<f32>>)> {
+            let loss = (y * &r)?.sum_all()?;
+            let g = loss.backward()?;
+            let mut grads = Vec::new();
+            for v in [&x, &a, &b] {
+                grads.push(g.get(v.as_tensor()).expect("a gradient").flatten_all()?.to_vec1::<f32>()?);
+            }
+            Ok((loss.to_scalar::<f32>()?, grads))
+        };
+        let key = DropoutKey { seed, layer: layer_id(&linear.name), offset: 0 };
+        let keep = askgui_kernels::dropout_keep_reference(7 * 13, p, key)?;
+        let m: Vec<f32> = keep.iter().map(|&k| if k { (1.0 / (1.0 - p)) as f32 } else { 0.0 }).collect();
+        assert!(keep.iter().any(|k| !k) && keep.iter().any(|&k| k), "the mask keeps all or nothing");
+        let xm = (x.as_tensor() * Tensor::from_vec(m, dims.as_slice(), &Device::Cpu)?)?;
+        let lora = xm.matmul(&a.as_tensor().t()?)?.matmul(&b.as_tensor().t()?)?;
+        let base = x.as_tensor().matmul(&linear.weight.t()?)?.broadcast_add(linear.bias.as_ref().unwrap())?;
+        let (l_ref, g_ref) = step(&(base + (lora * 2.0)?)?)?;
+        for kernels in [KernelChoice::Askgui, KernelChoice::Reference] {
+            let ctx = TrainCtx::new(p, seed, kernels)?;
+            let y = linear.forward_train(x.as_tensor(), &ctx)?;
+            let (l, g) = step(&y)?;
+            assert!((l - l_ref).abs() <= 1e-5 * l_ref.abs(), "{kernels:?}: loss {l} vs {l_ref}");
+            for (name, (g, want)) in ["x", "A", "B"].iter().zip(g.iter().zip(&g_ref)) {
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let worst = g.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(worst <= 1e-5 * scale, "{kernels:?} grad {name}: {worst} (scale {scale})");
+            }
+            let again = linear.forward_train(x.as_tensor(), &ctx)?;
+            let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+                Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+            };
+            assert_eq!(bits(&again)?, bits(&y)?, "{kernels:?}: the recomputation drew another mask");
+            let whole = ctx.dropout(&linear.name, x.as_tensor())?;
+            let rows = ctx.for_rows(4).dropout(&linear.name, &x.as_tensor().narrow(0, 4, 3)?)?;
+            assert_eq!(bits(&rows)?, bits(&whole.narrow(0, 4, 3)?)?, "{kernels:?}: rows 4.. alone drew another mask");
         }
         Ok(())
     }

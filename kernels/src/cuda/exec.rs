@@ -26,6 +26,7 @@ fn module(m: Module) -> (&'static str, &'static str) {
         Module::PagedAttention => ("askgui_paged_attention", ptx::PAGED_ATTENTION),
         Module::Rope => ("askgui_rope", ptx::ROPE),
         Module::CrossEntropy => ("askgui_cross_entropy", ptx::CROSS_ENTROPY),
+        Module::Dropout => ("askgui_dropout", ptx::DROPOUT),
         Module::Tiling => ("askgui_tiling", ptx::TILING),
     }
 }

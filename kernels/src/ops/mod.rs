@@ -13,6 +13,7 @@
 //! - [`linear`]: [`frozen_linear`] (`x w^T`, gradient for `x` only).
 //! - [`narrow`]: bf16 and int8 frozen weights read panel by panel ([`int8_linear`], inference only).
 //! - [`cross_entropy`]: [`cross_entropy_masked`] (mean NLL over supervised positions).
+//! - [`dropout`](mod@dropout): [`dropout()`](fn@dropout) (inverted dropout, its mask hashed inside the op).
 //! - [`attention`](mod@attention): [`attention()`](fn@attention) (streaming FlashAttention-2 softmax, GQA, masks).
 //! - [`rope`](mod@rope): [`rope()`] (rotate-half RoPE, M-RoPE and vision tables; gradient for `x` only).
 //! - [`swiglu`](mod@swiglu): [`swiglu()`] (`silu(gate) * up`, both gradients in one pass).
@@ -26,6 +27,7 @@
 
 pub mod attention;
 pub mod cross_entropy;
+pub mod dropout;
 pub mod exp;
 mod gemm;
 #[cfg(feature = "cuda")]
@@ -39,6 +41,7 @@ pub mod swiglu;
 
 pub use attention::{attention, attention_replay, attention_saving, AttentionSaved};
 pub use cross_entropy::{cross_entropy_masked, cross_entropy_masked_reference};
+pub use dropout::dropout;
 pub use linear::{frozen_linear, frozen_linear_reference, linear_parts};
 pub use narrow::{dequantize_int8, int8_linear, narrow_linear_reference, quantize_int8};
 pub use norm::{layer_norm, layer_norm_frozen, rms_norm, rms_norm_frozen};

@@ -13,6 +13,7 @@
 
 pub mod attention;
 pub mod cross_entropy;
+pub mod dropout;
 pub mod norm;
 pub mod paged_attention;
 pub mod rope;
@@ -140,6 +141,7 @@ pub enum Module {
     PagedAttention,
     Rope,
     CrossEntropy,
+    Dropout,
     Tiling,
 }
 
@@ -153,6 +155,7 @@ impl Module {
             Module::PagedAttention => "paged_attention",
             Module::Rope => "rope",
             Module::CrossEntropy => "cross_entropy",
+            Module::Dropout => "dropout",
             Module::Tiling => "tiling",
         }
     }

@@ -39,3 +39,17 @@ pub fn central_differences(base: &[f64], loss: impl Fn(&[f64]) -> Result<f64>) -
     };
     (0..base.len()).map(|j| Ok((probe(j, h)? - probe(j, -h)?) / (2.0 * h))).collect()
 }
+
+/// Whether `count` events among `n` independent trials of probability `p` are within the binomial bound
+/// `|count - n p| <= 5 sqrt(n p (1 - p)) + 1`: the count has mean `n p` and standard deviation
+/// `sqrt(n p (1 - p))`, and with `n p` in the hundreds or more it is close to normal, so a fair draw lands
+/// past 5 standard deviations with probability 5.7e-7 (the `+ 1` covers a dropout threshold's rounding
+/// of `p`, at most 2^-33 per trial). Used for dropout keep rates.
+pub fn binomial_within(count: usize, n: usize, p: f64, what: &str) -> Result<(), String> {
+    let (mean, sd) = (n as f64 * p, (n as f64 * p * (1.0 - p)).sqrt());
+    let bound = 5.0 * sd + 1.0;
+    match (count as f64 - mean).abs() <= bound {
+        true => Ok(()),
+        false => Err(format!("{what}: {count} of {n} at p {p}; expected {mean:.1} +- {bound:.1} (5 sd {sd:.1})")),
+    }
+}

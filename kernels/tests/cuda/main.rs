@@ -8,6 +8,7 @@
 mod common;
 
 mod attention;
+mod dropout;
 mod norm_rope_ce;
 mod paged_attention;
 mod tiling;

@@ -17,6 +17,7 @@ mod common;
 mod attention;
 mod checks;
 mod cross_entropy;
+mod dropout;
 mod norm;
 mod paged_attention;
 mod planted;
