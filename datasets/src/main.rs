@@ -117,8 +117,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             for (name, file, n) in &r.files {
                 println!("{name}: {} -> {}", plural(*n, "episode"), file.display());
                 if name == "val" && *n < 32 {
+                    let exist = if *n == 1 { "exists" } else { "exist" };
                     println!(
-                        "  note: the trainer's agent eval runs --eval-episodes (default 32) of these; only {n} exist"
+                        "  note: the trainer's agent eval runs --eval-episodes (default 32) of these; only {n} {exist}"
                     );
                 }
             }
