@@ -110,6 +110,7 @@ mod tests {
         assert!(inner.join("metrics.jsonl").is_file());
         std::fs::remove_file(inner.join("metrics.jsonl")).unwrap();
         std::fs::remove_dir(&inner).unwrap();
+        std::fs::remove_dir(&outer).unwrap();
         // Two levels created and nothing written: both go.
         drop(Lock::acquire(&inner).unwrap());
         assert!(!outer.exists() && dir.is_dir());
