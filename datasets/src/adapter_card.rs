@@ -150,16 +150,26 @@ pub struct PromptFlags {
 }
 
 /// The card's value where the flag is unset; the flag's, with a warning, where both are set and differ.
-fn pick<T: PartialEq + std::fmt::Debug + Copy>(name: &str, card: Option<T>, flag: Option<T>) -> Option<T> {
+fn pick<T: PartialEq + Serialize + Copy>(name: &str, card: Option<T>, flag: Option<T>) -> Option<T> {
     match (card, flag) {
         (Some(c), Some(f)) if c != f => {
+            let (f, c) = (flag_value(&f), flag_value(&c));
             tracing::warn!(
-                "--{name} {f:?} overrides the adapter's askgui.json ({name} = {c:?}): the model was trained \
-                 with {c:?}"
+                "--{name} {f} overrides the adapter's askgui.json ({name} = {c}): the model was trained with {c}"
             );
-            Some(f)
+            flag
         }
         (c, f) => f.or(c),
+    }
+}
+
+/// A setting as its flag is written (`compact`, `relative1000`, `12544`, `true`): the serde names of
+/// the settings' enums are their flag values.
+pub fn flag_value<T: Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(other) => other.to_string(),
+        Err(e) => format!("<{e}>"),
     }
 }
 

@@ -617,8 +617,8 @@ pub fn ambiguate(args: &AmbiguateArgs) -> Result<AmbiguateReport, AmbiguateError
         (fs::canonicalize(in_dir).map_err(io_err(in_dir))?, fs::canonicalize(out_dir).map_err(io_err(out_dir))?);
     let rebase = (in_abs != out_abs).then(|| relative(&in_abs, &out_abs));
     info!(
-        "ambiguate: {} episodes from {} -> {} ({} already there); model {:?} at {}",
-        episodes.len(),
+        "ambiguate: {} from {} -> {} ({} already there); model {:?} at {}",
+        crate::plural(episodes.len(), "episode"),
         args.input.display(),
         args.out.display(),
         existing.len(),
@@ -676,9 +676,9 @@ pub fn ambiguate(args: &AmbiguateArgs) -> Result<AmbiguateReport, AmbiguateError
     if !report.rejected.is_empty() {
         let reasons: Vec<String> = report.rejected.iter().map(|(k, n)| format!("{k}: {n}")).collect();
         warn!(
-            "ambiguate: {} episodes written unchanged, the endpoint's answers unusable ({}); a more capable model \
+            "ambiguate: {} written unchanged, the endpoint's answers unusable ({}); a more capable model \
              gives usable rewrites",
-            report.rejected_total(),
+            crate::plural(report.rejected_total(), "episode"),
             reasons.join(", ")
         );
     }

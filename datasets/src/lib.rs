@@ -36,3 +36,12 @@ pub use prompt::{
     episode_samples, render_chatml, step_messages, ChatMessage, Part, PromptConfig, Sample, SampleKind, SystemPrompt,
     TaskMode,
 };
+
+/// `n` and the noun, plural unless `n` is 1 (`1 episode`, `3 episodes`): counts in messages and reports.
+pub fn plural(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}

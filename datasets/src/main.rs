@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use askgui_data::{ambiguate, convert, render, split, stats, synth, validate};
+use askgui_data::{ambiguate, convert, plural, render, split, stats, synth, validate};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -107,20 +107,23 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             for p in &r.problems {
                 println!("{}: {p}", file.display());
             }
-            println!("{}: {} episodes, {} steps, {} problems", file.display(), r.episodes, r.steps, r.problems.len());
+            let (e, s, p) =
+                (plural(r.episodes, "episode"), plural(r.steps, "step"), plural(r.problems.len(), "problem"));
+            println!("{}: {e}, {s}, {p}", file.display());
             return Ok(if r.problems.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) });
         }
         Command::Synth(args) => {
             let r = synth::synth(&args)?;
             for (name, file, n) in &r.files {
-                println!("{name}: {n} episodes -> {}", file.display());
+                println!("{name}: {} -> {}", plural(*n, "episode"), file.display());
                 if name == "val" && *n < 32 {
+                    let exist = if *n == 1 { "exists" } else { "exist" };
                     println!(
-                        "  note: the trainer's agent eval runs --eval-episodes (default 32) of these; only {n} exist"
+                        "  note: the trainer's agent eval runs --eval-episodes (default 32) of these; only {n} {exist}"
                     );
                 }
             }
-            println!("{} steps, {} ambiguous episodes", r.steps, r.ambiguous);
+            println!("{}, {}", plural(r.steps, "step"), plural(r.ambiguous, "ambiguous episode"));
         }
         Command::Convert { format, input, out, skip_bad_records, splits } => {
             let opts = convert::ConvertOptions { skip_bad_records };
@@ -141,30 +144,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("skipped {n}: {reason}");
             }
             println!(
-                "{} episodes, {} steps -> {} ({} skipped)",
-                r.episodes,
-                r.steps,
+                "{}, {} -> {} ({} skipped)",
+                plural(r.episodes, "episode"),
+                plural(r.steps, "step"),
                 out.join("episodes.jsonl").display(),
                 r.skipped.len()
             );
-            for (name, file, n) in &r.splits {
-                println!("{name}: {n} episodes -> {}", file.display());
-            }
-            if splits.is_some() && r.unsplit > 0 {
-                println!("{} episodes are in no split of the split file (only in episodes.jsonl)", r.unsplit);
+            for line in r.split_lines() {
+                println!("{line}");
             }
         }
         Command::Split(args) => {
             for (name, file, n) in split::split(&args)? {
-                println!("{name}: {n} episodes -> {}", file.display());
+                println!("{name}: {} -> {}", plural(n, "episode"), file.display());
             }
         }
         Command::Ambiguate(args) => {
             let r = ambiguate::ambiguate(&args)?;
             println!(
-                "{} episodes written, {} already done, {} without an informative step, {} unchanged after junk \
-                 answers -> {}",
-                r.done,
+                "{} written, {} already done, {} without an informative step, {} unchanged after junk answers -> {}",
+                plural(r.done, "episode"),
                 r.skipped_existing,
                 r.no_informative_step,
                 r.rejected_total(),
@@ -181,7 +180,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Render { file, out } => {
             let r = render::render_html(&file, &out)?;
-            println!("{} pages -> {}", r.pages, r.index.display());
+            println!("{} -> {}", plural(r.pages, "page"), r.index.display());
         }
     }
     Ok(ExitCode::SUCCESS)

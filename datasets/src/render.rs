@@ -281,9 +281,10 @@ fn index_page(path: &Path, episodes: &[(usize, Episode)], names: &[String], bad:
     let _ = writeln!(h, "<h1>{}</h1>", escape(&file));
     let _ = writeln!(
         h,
-        "<p class=\"meta\">{} episodes, {steps} steps, {ambiguous} ambiguous, {} bad lines</p>",
-        episodes.len(),
-        bad.len()
+        "<p class=\"meta\">{}, {}, {ambiguous} ambiguous, {}</p>",
+        crate::plural(episodes.len(), "episode"),
+        crate::plural(steps, "step"),
+        crate::plural(bad.len(), "bad line")
     );
     if !bad.is_empty() {
         h.push_str(

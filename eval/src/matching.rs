@@ -33,15 +33,15 @@ pub enum RuleSet {
     /// converters' prefixes) get that dataset's rules, every other episode the synthetic world's.
     #[default]
     Auto,
-    /// Our rules ([`MatchConfig::matches`]) for every episode.
+    /// Our rules (the --match-* flags) for every episode.
     Synthetic,
-    /// AITW's action matching, with text compared (see [`published`]).
+    /// AITW's action matching, with text compared.
     AndroidControl,
-    /// Mind2Web's element accuracy and operation F1 = 1 (see [`published`]).
+    /// Mind2Web's element accuracy and operation F1 = 1.
     #[value(name = "mind2web", alias = "mind2-web")]
     #[serde(rename = "mind2web", alias = "mind2-web")]
     Mind2Web,
-    /// GUI-Odyssey's own action matching (see [`published`]).
+    /// GUI-Odyssey's own action matching.
     GuiOdyssey,
 }
 

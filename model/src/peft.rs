@@ -23,6 +23,17 @@ use crate::error::{ModelError, Result};
 pub const CONFIG_FILE: &str = "adapter_config.json";
 pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
 
+/// The names of `dir`'s sub-folders that hold an adapter (a training run's `checkpoint-*`), sorted.
+fn adapters_inside(dir: &Path) -> Vec<String> {
+    let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
+    let mut names: Vec<String> = entries
+        .filter(|e| e.path().join(CONFIG_FILE).is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
 /// `target_modules` is a list of module names in PEFT, or one regex string (not supported here).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -102,10 +113,22 @@ impl LoraConfig {
         let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::Adapter {
             dir: dir.clone(),
-            reason: format!(
-                "cannot read {}: {e}; a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}",
-                path.display()
-            ),
+            reason: match adapters_inside(&dir).as_slice() {
+                [] => format!(
+                    "cannot read {}: {e}; a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}",
+                    path.display()
+                ),
+                inside => format!(
+                    "not an adapter but a folder of {} ({}); pass one of them, e.g. {} (the last by name)",
+                    inside.len(),
+                    if inside.len() > 4 {
+                        format!("{}, ..., {}", inside[0], inside[inside.len() - 2..].join(", "))
+                    } else {
+                        inside.join(", ")
+                    },
+                    dir.join(&inside[inside.len() - 1]).display()
+                ),
+            },
         })?;
         let cfg: Self = serde_json::from_str(&text)
             .map_err(|e| ModelError::Adapter { dir: dir.clone(), reason: format!("{CONFIG_FILE}: {e}") })?;

@@ -6,7 +6,8 @@ use thiserror::Error;
 
 #[derive(Debug, Clone, Error, PartialEq)]
 pub enum RuntimeError {
-    /// The input cannot be answered as it is; the message says what to change.
+    /// The input cannot be answered as it is (a request, or the files and flags the model was loaded
+    /// from); the message says what to change.
     #[error("{0}")]
     BadInput(String),
     #[error("the prompt is {tokens} tokens but the model's context is {limit}; shorten the history or the messages")]
@@ -24,16 +25,15 @@ pub enum RuntimeError {
 pub type Result<T> = std::result::Result<T, RuntimeError>;
 
 impl From<ModelError> for RuntimeError {
-    /// Image and prompt errors are the input's; the rest are the model's.
+    /// A failing tensor op, generation or training step is ours; every other variant names what the user
+    /// gave (a checkpoint, adapter, tokenizer, hub id, device, image or prompt) and says what to fix.
     fn from(e: ModelError) -> Self {
         match e {
-            ModelError::Image { .. }
-            | ModelError::ImageTooLarge { .. }
-            | ModelError::ImageTooSmall { .. }
-            | ModelError::Tiling { .. }
-            | ModelError::Prompt(_) => RuntimeError::BadInput(e.to_string()),
+            ModelError::Candle(_) | ModelError::Generation(_) | ModelError::Train(_) => {
+                RuntimeError::Internal(e.to_string())
+            }
             ModelError::KvCacheFull { capacity } => RuntimeError::KvCacheFull { capacity },
-            e => RuntimeError::Internal(e.to_string()),
+            e => RuntimeError::BadInput(e.to_string()),
         }
     }
 }

@@ -328,7 +328,8 @@ pub struct TrainArgs {
     /// A named recipe (files and flags override it).
     #[arg(long, value_enum)]
     pub preset: Option<Preset>,
-    /// Continue from a checkpoint folder (or the newest checkpoint in an output folder).
+    /// Continue from a checkpoint folder (or the newest checkpoint in an output folder), writing into the
+    /// folder that holds it unless --output-dir is given.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Stop with a checkpoint after this many steps, as if interrupted, keeping the full run's schedule
@@ -442,16 +443,56 @@ pub fn from_matches(cli: &TrainArgs, matches: &ArgMatches) -> Result<(TrainConfi
     if let Some(p) = cli.preset {
         layers.push((format!("--preset {}", p.to_possible_value().expect("named").get_name()), preset_layer(p)));
     }
+    let mut resumed = None;
     if let Some(dir) = &cli.resume {
         let ckpt = crate::snapshot::find(dir)?;
         let path = ckpt.join(crate::snapshot::CONFIG_FILE);
-        layers.push((path.display().to_string(), file_layer(&path)?));
+        let layer = file_layer(&path)?;
+        resumed = Some((path.clone(), layer.clone()));
+        layers.push((path.display().to_string(), layer));
+        // The run goes on in the folder that holds the checkpoint, wherever it was moved to.
+        let run_dir =
+            std::path::absolute(ckpt.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))
+                .map_err(|e| TrainError::Config(format!("{}: {e}", ckpt.display())))?;
+        layers.push((format!("--resume {}", dir.display()), serde_json::json!({"run": {"output_dir": run_dir}})));
     }
     if let Some(path) = &cli.config {
         layers.push((path.display().to_string(), file_layer(path)?));
     }
     layers.push(("command line".into(), cli_layer(&cli.cfg, matches)));
-    Ok((resolve(&layers)?, RunControl { resume: cli.resume.clone(), stop_after: cli.stop_after, interrupted: None }))
+    let cfg = resolve(&layers)?;
+    if let Some((path, layer)) = &resumed {
+        check_resumed_paths(&cfg, path, layer)?;
+    }
+    Ok((cfg, RunControl { resume: cli.resume.clone(), stop_after: cli.stop_after, interrupted: None }))
+}
+
+/// Refuses a relative path that the resumed checkpoint's `config.toml` (`file`, read as `layer`) gives and
+/// that is not there from this folder: runs before paths were stored absolute wrote them as given, relative
+/// to the folder they ran in. A `--model` of the form `org/name` may be a hub id and is left to the loader.
+fn check_resumed_paths(cfg: &TrainConfig, file: &Path, layer: &Value) -> Result<()> {
+    let hub_like = |m: &&str| m.split('/').count() == 2 && !m.starts_with(['.', '/', '~']);
+    let model = cfg.model.model.as_deref().filter(|m| !hub_like(m)).map(Path::new);
+    let fields = [
+        ("model", "model", model),
+        ("data", "data", cfg.data.data.as_deref()),
+        ("data", "val", cfg.data.val.as_deref()),
+        ("model", "init_config", cfg.model.init_config.as_deref()),
+        ("model", "init_tokenizer", cfg.model.init_tokenizer.as_deref()),
+    ];
+    for (group, key, value) in fields {
+        let Some(path) = value.filter(|p| p.is_relative() && !p.exists()) else { continue };
+        if layer[group][key].as_str() == path.to_str() {
+            return Err(TrainError::Config(format!(
+                "{} gives the relative path {key} = \"{}\" (written by an older askgui-train, relative to the folder \
+                 it ran in), and there is no such path from here; run from that folder, or pass --{} with its path",
+                file.display(),
+                path.display(),
+                key.replace('_', "-")
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl TrainConfig {
@@ -543,6 +584,27 @@ impl TrainConfig {
             return bad(format!("--max-seq-len is {}; it must be at least 16", d.max_seq_len));
         }
         Ok(())
+    }
+
+    /// The config with its local paths absolute, so that the saved `config.toml` and the adapter's
+    /// `base_model_name_or_path` name the same files from any folder (`--resume`, `convert-adapter`, serve
+    /// and PEFT's `AutoPeftModel` read them from wherever they run). Relative paths are taken from the
+    /// current folder, as the flags were; a `--model` that is no existing path (a hub id) stays as given.
+    pub fn with_absolute_paths(&self) -> Result<TrainConfig> {
+        let abs = |p: &Path| {
+            std::path::absolute(p).map_err(|e| TrainError::Config(format!("{}: no absolute path: {e}", p.display())))
+        };
+        let opt = |p: &Option<PathBuf>| p.as_deref().map(abs).transpose();
+        let mut c = self.clone();
+        if let Some(m) = c.model.model.as_deref().filter(|m| Path::new(m).exists()) {
+            c.model.model = Some(abs(Path::new(m))?.to_string_lossy().into_owned());
+        }
+        c.model.init_config = opt(&c.model.init_config)?;
+        c.model.init_tokenizer = opt(&c.model.init_tokenizer)?;
+        c.data.data = opt(&c.data.data)?;
+        c.data.val = opt(&c.data.val)?;
+        c.run.output_dir = abs(&c.run.output_dir)?;
+        Ok(c)
     }
 
     /// Sequences per optimiser step.

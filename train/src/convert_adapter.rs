@@ -5,8 +5,9 @@
 //! The rewrite is askgui-model's ([`askgui_model::peft::convert_adapter`], the key mapping adapters are
 //! saved with): the adapter is first checked against the base model's config.json as loading does, so an
 //! adapter whose modules the base lacks, or of other shapes, is refused with the module named. Tensors
-//! keep their bytes; the model card records the new layout. The folder is filled under a temporary name
-//! and renamed into place, as merge's; an existing non-empty `--out` is refused.
+//! keep their bytes; the model card records the new layout; a training checkpoint's optimiser and trainer
+//! state are left out (the result is an adapter to load, not a run to resume). The folder is filled under
+//! a temporary name and renamed into place, as merge's; an existing non-empty `--out` is refused.
 
 use std::path::{Path, PathBuf};
 
@@ -60,7 +61,9 @@ pub fn convert(args: &ConvertArgs) -> Result<ConvertSummary> {
     let to = AdapterLayout::from(args.to);
     let mut conversion = None;
     let out = crate::snapshot::write_atomically(&parent, &name, |tmp| {
-        conversion = Some(askgui_model::peft::convert_adapter(&args.input, tmp, &cfg, to)?);
+        let mut c = askgui_model::peft::convert_adapter(&args.input, tmp, &cfg, to)?;
+        drop_training_state(tmp, &mut c.copied)?;
+        conversion = Some(c);
         Ok(())
     })?;
     let conversion = conversion.expect("write_atomically ran the fill");
@@ -70,6 +73,19 @@ pub fn convert(args: &ConvertArgs) -> Result<ConvertSummary> {
     }
     tracing::info!(out = %out.display(), from, to = to.name(), modules = conversion.modules, copied = ?conversion.copied, "converted adapter");
     Ok(ConvertSummary { out, to, conversion })
+}
+
+/// Removes what only resumes a training run (the optimiser and trainer state of a checkpoint) from the
+/// converted folder `dir` and from `copied`: a converted adapter is for loading by another stack.
+fn drop_training_state(dir: &Path, copied: &mut Vec<String>) -> Result<()> {
+    for file in [crate::snapshot::OPTIMIZER_FILE, crate::snapshot::STATE_FILE] {
+        if let Some(i) = copied.iter().position(|c| c == file) {
+            let path = dir.join(file);
+            std::fs::remove_file(&path).map_err(crate::error::io(path))?;
+            copied.remove(i);
+        }
+    }
+    Ok(())
 }
 
 /// The base model's config: `--model`, or the adapter's `base_model_name_or_path`.

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 
 use askgui_data::prompt::SampleKind;
 use askgui_data::prompt::{ChatMessage, Part};
-use askgui_data::{episode_samples, read_episodes, render_chatml, LoadedEpisode, PromptConfig, TaskMode};
+use askgui_data::{episode_samples, plural, read_episodes, render_chatml, LoadedEpisode, PromptConfig, TaskMode};
 use askgui_model::{load_image, preprocess, ImageProcessorConfig, QwenTokenizer, TrainExample};
 use askgui_runtime::encode_chat;
 use candle_core::Device;
@@ -96,6 +96,27 @@ pub struct DataStats {
     pub screen_mismatch: usize,
     pub tokens: usize,
     pub supervised_tokens: usize,
+}
+
+impl std::fmt::Display for DataStats {
+    /// One line for logs and errors: `3 records (0 skipped), 12 samples (1 truncated, 0 too long), ...`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({} skipped), {} ({} truncated, {} too long), {} ({} supervised)",
+            plural(self.records, "record"),
+            self.bad_records,
+            plural(self.samples, "sample"),
+            self.truncated,
+            self.too_long,
+            plural(self.tokens, "token"),
+            self.supervised_tokens
+        )?;
+        if self.screen_mismatch > 0 {
+            write!(f, ", {} of another size than the episode's screen", plural(self.screen_mismatch, "screenshot"))?;
+        }
+        Ok(())
+    }
 }
 
 /// The samples of one JSONL file.
@@ -259,7 +280,7 @@ pub fn load_dataset(
     }
     stats.samples = samples.len();
     if samples.is_empty() {
-        return Err(TrainError::Data(format!("{}: no training sample (stats: {stats:?})", path.display())));
+        return Err(TrainError::Data(format!("{}: no training sample ({stats})", path.display())));
     }
     Ok(Dataset { path: path.into(), samples, stats })
 }

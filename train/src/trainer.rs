@@ -276,7 +276,7 @@ impl<'a> Run<'a> {
         let ic = model.image_config.clone();
         let opts = data_options(cfg, model);
         let train = data::load_dataset(cfg.data.data.as_deref().expect("validated"), &opts, &tokenizer, &ic)?;
-        tracing::info!(stats = ?train.stats, "training data {}", train.path.display());
+        tracing::info!("training data {}: {}", train.path.display(), train.stats);
         let val_opts = DataOptions {
             ask_repeat: 1,
             say_repeat: 1,
@@ -287,7 +287,7 @@ impl<'a> Run<'a> {
         };
         let val = cfg.data.val.as_deref().map(|p| data::load_dataset(p, &val_opts, &tokenizer, &ic)).transpose()?;
         if let Some(v) = &val {
-            tracing::info!(stats = ?v.stats, "validation data {}", v.path.display());
+            tracing::info!("validation data {}: {}", v.path.display(), v.stats);
         }
         let val_episodes = match cfg.data.val.as_deref() {
             Some(p) if cfg.run.eval_episodes > 0 => {
@@ -699,6 +699,8 @@ pub fn train(cfg: &TrainConfig, control: &RunControl) -> Result<TrainSummary> {
 /// resume with another is refused (the data order and the batch depend on it).
 pub fn train_on(cfg: &TrainConfig, control: &RunControl, world: &World) -> Result<TrainSummary> {
     cfg.validate()?;
+    // Saved configs and adapters name their files by absolute path: they resume and load from any folder.
+    let cfg = &cfg.with_absolute_paths()?;
     let main = world.is_main();
     let _lock = main.then(|| crate::lock::Lock::acquire(&cfg.run.output_dir)).transpose()?;
     if main {

@@ -89,8 +89,9 @@ pub fn convert_android_control_split(
         _ => None,
     };
     let mut report = o.finish(input)?;
-    if let Some((files, unsplit)) = written {
-        (report.splits, report.unsplit) = (files, unsplit);
+    if let Some(w) = written {
+        (report.splits, report.unsplit, report.empty_splits, report.unknown_split_ids) =
+            (w.files, w.unsplit, w.empty, w.unknown);
     }
     Ok(report)
 }
@@ -417,24 +418,43 @@ fn read_split_file(path: &Path) -> Result<(PathBuf, SplitIds), ConvertError> {
     Ok((path.to_path_buf(), ids))
 }
 
-/// Writes `<split>.jsonl` for each split that has converted episodes; returns those files and how many
-/// episodes are in no split.
+/// What [`write_splits`] wrote, and what of the split file matched nothing.
+struct SplitsWritten {
+    files: SplitReport,
+    /// Converted episodes in no split.
+    unsplit: usize,
+    /// Splits none of whose ids was converted (no file is written for them), with their id counts.
+    empty: Vec<(String, usize)>,
+    /// The split file's ids that are no converted episode, in id order.
+    unknown: Vec<String>,
+}
+
+/// Writes `<split>.jsonl` for each split that has converted episodes; says which splits and ids of the
+/// split file matched no converted episode, and how many episodes are in no split.
 fn write_splits(
     out: &Path,
     split_file: &Path,
     ids: &SplitIds,
     episodes: &[Episode],
-) -> Result<(SplitReport, usize), ConvertError> {
+) -> Result<SplitsWritten, ConvertError> {
     let mut by_split: BTreeMap<&str, Vec<&Episode>> = BTreeMap::new();
     let mut unsplit = 0;
+    let mut converted = std::collections::HashSet::new();
     for ep in episodes {
         let id = ep.id.strip_prefix("androidcontrol-").unwrap_or(&ep.id);
+        converted.insert(id);
         match ids.get(id) {
             Some(split) => by_split.entry(split).or_default().push(ep),
             None => unsplit += 1,
         }
     }
     info!("{unsplit} converted episodes are in no split of {}", split_file.display());
+    let mut unknown: Vec<String> = ids.keys().filter(|id| !converted.contains(id.as_str())).cloned().collect();
+    unknown.sort_by_key(|id| (id.parse::<u64>().ok(), id.clone()));
+    let mut empty: BTreeMap<String, usize> = BTreeMap::new();
+    for split in ids.values().filter(|s| !by_split.contains_key(s.as_str())) {
+        *empty.entry(split.clone()).or_default() += 1;
+    }
     let mut by_split: Vec<_> = by_split.into_iter().collect();
     by_split.sort_by_key(|(split, _)| (["train", "val", "test"].iter().position(|s| s == split).unwrap_or(3), *split));
     let mut files = vec![];
@@ -443,5 +463,5 @@ fn write_splits(
         crate::episode::write_episodes(&path, eps.iter().copied())?;
         files.push((split.to_string(), path, eps.len()));
     }
-    Ok((files, unsplit))
+    Ok(SplitsWritten { files, unsplit, empty: empty.into_iter().collect(), unknown })
 }

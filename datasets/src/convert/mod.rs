@@ -24,6 +24,7 @@ use tracing::{debug, info, warn};
 
 use crate::action::{Action, Direction, DoneStatus, Segment, Target};
 use crate::episode::{Element, Episode, EpisodeError, Platform, Screen, Step};
+use crate::plural;
 use crate::validate::check_episode;
 
 /// What a conversion produced, and every record it skipped with the reason.
@@ -41,6 +42,56 @@ pub struct ConvertReport {
     pub splits: crate::split::SplitReport,
     /// With a split file: converted episodes that are in none of its splits (they are in `episodes.jsonl` only).
     pub unsplit: usize,
+    /// With a split file: its splits none of whose episodes was converted (no file is written for them),
+    /// with how many ids each lists.
+    pub empty_splits: Vec<(String, usize)>,
+    /// With a split file: its ids that are no converted episode (another part of the dataset, or records
+    /// skipped), in id order.
+    pub unknown_split_ids: Vec<String>,
+}
+
+impl Drop for Output {
+    /// A failed conversion: `remove_dir` removes a folder only while it is empty, so images written stay.
+    fn drop(&mut self) {
+        for dir in &self.created {
+            if fs::remove_dir(dir).is_err() {
+                break;
+            }
+        }
+    }
+}
+
+impl ConvertReport {
+    /// What a split file gave, a line each: the files written, then the splits that got none, the
+    /// episodes in no split and the split file's ids that are no converted episode (the first five).
+    pub fn split_lines(&self) -> Vec<String> {
+        let is = |n: usize| if n == 1 { "is" } else { "are" };
+        let mut lines: Vec<String> =
+            self.splits.iter().map(|(s, f, n)| format!("{s}: {} -> {}", plural(*n, "episode"), f.display())).collect();
+        for (split, ids) in &self.empty_splits {
+            let which = if *ids == 1 { "its one id is no".into() } else { format!("none of its {ids} ids is a") };
+            lines.push(format!("{split}: no file written: {which} converted episode"));
+        }
+        if self.unsplit > 0 {
+            let n = self.unsplit;
+            lines.push(format!(
+                "{} {} in no split of the split file (only in episodes.jsonl)",
+                plural(n, "episode"),
+                is(n)
+            ));
+        }
+        let unknown = &self.unknown_split_ids;
+        if !unknown.is_empty() {
+            let more = if unknown.len() > 5 { ", ..." } else { "" };
+            lines.push(format!(
+                "{} of the split file {} no converted episode ({}{more}): another part of the dataset, or skipped",
+                plural(unknown.len(), "id"),
+                is(unknown.len()),
+                unknown[..unknown.len().min(5)].join(", ")
+            ));
+        }
+        lines
+    }
 }
 
 /// The reason under which bad records are counted when they are skipped.
@@ -64,7 +115,7 @@ pub enum ConvertError {
     NoScreenAgentRecords { input: PathBuf },
     #[error("{input}: no records ({expected}) found")]
     NoRecords { input: PathBuf, expected: String },
-    #[error("{input}: nothing could be converted ({count} records skipped); the first reason: {first}")]
+    #[error("{input}: nothing could be converted ({} skipped); the first reason: {first}", plural(*.count, "record"))]
     NothingConverted { input: PathBuf, count: usize, first: String },
     #[error("{at}: {why} (fix or remove that record, or pass --skip-bad-records to skip it and go on)")]
     BadRecord { at: String, why: String },
@@ -241,21 +292,29 @@ fn step(screenshot: &str, action: Action) -> Step {
     Step { screenshot: screenshot.to_string(), elements: None, instruction: None, informative: None, action, ask: None }
 }
 
-/// The output folder: images are written as they come, episodes are checked and written at the end.
+/// The output folder: images are written as they come, episodes are checked and written at the end. A
+/// conversion that fails removes the folders it created while they are still empty.
 struct Output {
     dir: PathBuf,
     opts: ConvertOptions,
     episodes: Vec<Episode>,
     images: HashSet<String>,
     report: ConvertReport,
+    /// The folders `create` made, deepest first; emptied on success ([`Output::finish`]).
+    created: Vec<PathBuf>,
 }
 
 impl Output {
     fn create(dir: &Path, opts: ConvertOptions) -> Result<Self, ConvertError> {
         let images = dir.join("images");
+        let created = images
+            .ancestors()
+            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+            .map(Path::to_path_buf)
+            .collect();
         fs::create_dir_all(&images).map_err(io_err(&images))?;
         let report = Default::default();
-        Ok(Self { dir: dir.to_path_buf(), opts, episodes: vec![], images: HashSet::new(), report })
+        Ok(Self { dir: dir.to_path_buf(), opts, episodes: vec![], images: HashSet::new(), report, created })
     }
 
     /// Skips something the dataset holds on purpose but our schema has no place for, counted under `reason`.
@@ -331,13 +390,14 @@ impl Output {
         self.report.episodes = self.episodes.len();
         self.report.steps = self.episodes.iter().map(|e| e.steps.len()).sum();
         info!(
-            "wrote {} episodes, {} steps to {} ({} skipped)",
-            self.report.episodes,
-            self.report.steps,
+            "wrote {}, {} to {} ({} skipped)",
+            plural(self.report.episodes, "episode"),
+            plural(self.report.steps, "step"),
             path.display(),
             self.report.skipped.len()
         );
-        Ok(self.report)
+        self.created.clear();
+        Ok(std::mem::take(&mut self.report))
     }
 }
 

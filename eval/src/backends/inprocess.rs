@@ -31,6 +31,11 @@ pub struct InProcessAgent {
     identity: AgentIdentity,
 }
 
+/// A model that does not load (a wrong path, a bad checkpoint or adapter): the message names what to fix.
+fn load_err(e: askgui_model::ModelError) -> AgentError {
+    AgentError::Model(e.to_string())
+}
+
 /// Errors about the input (an unreadable or unusable screenshot) are the step's, not the model's.
 fn runtime_err(e: RuntimeError) -> AgentError {
     match e {
@@ -51,9 +56,9 @@ impl InProcessAgent {
         mut options: StepOptions,
         load: LoadOptions,
     ) -> Result<Self, AgentError> {
-        let (device, dtype) = load.resolve().map_err(|e| runtime_err(e.into()))?;
+        let (device, dtype) = load.resolve().map_err(load_err)?;
         tracing::info!("evaluating on {device:?} with {dtype:?} weights");
-        let mut m = Qwen2Vl::load_with(model, &device, dtype, load.kernels).map_err(|e| runtime_err(e.into()))?;
+        let mut m = Qwen2Vl::load_with(model, &device, dtype, load.kernels).map_err(load_err)?;
         let card_dir = adapter.unwrap_or(&m.files.dir).to_path_buf();
         let card = AdapterCard::read(&card_dir).map_err(|e| AgentError::Model(e.to_string()))?;
         if let Some(c) = &card {
@@ -73,7 +78,7 @@ impl InProcessAgent {
             // This agent only ever runs this adapter, so it is folded into the weights and each forward
             // costs the base model's (measured on a 2-core CPU, the demo's LoRA agent on 40 episodes in
             // two modes: 4.6 s unmerged, 3.8 s merged, the same predictions).
-            m.load_adapter("adapter", dir).map_err(|e| runtime_err(e.into()))?;
+            m.load_adapter("adapter", dir).map_err(load_err)?;
             m.merge_and_unload("adapter").map_err(|e| runtime_err(e.into()))?;
         }
         let prompt = flags.config_in(askgui_runtime::native_frame(m.arch()));

@@ -41,7 +41,7 @@ pub struct BackendArgs {
     /// An OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 (requests go to {base}/chat/completions).
     #[arg(long)]
     pub openai_base: Option<String>,
-    /// An askgui-serve server root, e.g. http://localhost:8080 (requests go to {base}/v1/agent/step).
+    /// An askgui-serve server root, e.g. http://127.0.0.1:8000 (requests go to {base}/v1/agent/step).
     #[arg(long)]
     pub endpoint: Option<String>,
     /// The LoRA adapter --endpoint should answer with, by the name the server knows it under.
