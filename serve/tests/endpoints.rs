@@ -358,7 +358,10 @@ fn health_says_loading_until_the_backend_is_built() {
     release.send(()).unwrap();
     wait_ready(&server);
     let v = get(&server.url("/health")).json();
-    assert_eq!(v, json!({"status": "ok", "model": MODEL, "adapters": [ADAPTER], "queue_depth": 0, "live_sessions": 0}));
+    // The stub claims no pause levels: an empty map.
+    let ok = json!({"status": "ok", "model": MODEL, "adapters": [ADAPTER], "pause_thresholds": {}, "queue_depth": 0,
+                    "live_sessions": 0});
+    assert_eq!(v, ok);
     server.stop();
 }
 
@@ -553,7 +556,8 @@ fn predict_runs_one_step_without_a_server() {
         model: MODEL.into(),
         image: image.clone(),
         task: "Open the menu".into(),
-        adapter: Some(dir.join(ADAPTER)),
+        // A bare folder, named after itself: the stub's adapter.
+        adapter: Some(dir.join(ADAPTER).display().to_string().parse().unwrap()),
         max_tokens: 16,
         stub: true,
     };
