@@ -6,8 +6,10 @@
 //! checkpoint's"), and the one decoding default chosen on data: the pause level `askgui-eval calibrate`
 //! picked on a validation split ([`CardPause`]), which a request's own `pause_threshold` overrides. Unknown keys are ignored and `version` says the layout, so an older reader loads a newer
 //! card. A flag given on the command line still wins over the card, with a warning naming the setting.
+//! [`AdapterArg`] is the one `--adapter NAME=DIR` (or `DIR`, named after its folder) of every binary.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -119,6 +121,78 @@ impl AdapterCard {
         let p = path.display().to_string();
         let text = std::fs::read_to_string(&path).map_err(|source| CardError::Io { path: p.clone(), source })?;
         serde_json::from_str(&text).map(Some).map_err(|source| CardError::Parse { path: p, source })
+    }
+}
+
+/// `--adapter NAME=DIR` or `--adapter DIR` (named after its folder), as every askgui binary takes it.
+/// The name is what requests send in `adapter` and `model`, so it is kept to letters, digits and `-_.:`.
+/// A value with `=` is always `NAME=DIR`: a folder whose path holds `=` is given with a name in front.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AdapterArg {
+    pub name: String,
+    pub dir: PathBuf,
+}
+
+/// Why an `--adapter` value was refused; each says what to give instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdapterArgError {
+    #[error("the adapter is empty: give NAME=DIR or DIR (e.g. ask=runs/demo/adapter)")]
+    Empty,
+    #[error("adapter `{0}` has an empty folder: give NAME=DIR (e.g. ask=runs/demo/adapter)")]
+    EmptyDir(String),
+    #[error("adapter name `{0}`: use letters, digits and - _ . : only (NAME=DIR)")]
+    BadName(String),
+    #[error(
+        "cannot name the adapter after its folder `{0}`: give NAME=DIR with a name of letters, digits and - _ . :"
+    )]
+    Unnamed(String),
+}
+
+/// Whether `name` can name an adapter in requests.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+}
+
+impl AdapterArg {
+    /// The folder of an `--adapter` value, for a binary that runs one adapter and never names it (eval,
+    /// merge): the same syntax, without the naming.
+    pub fn dir_of(s: &str) -> Result<PathBuf, AdapterArgError> {
+        Self::parts(s).map(|(_, dir)| dir)
+    }
+
+    /// The name, if the value gives one, and the folder.
+    fn parts(s: &str) -> Result<(Option<String>, PathBuf), AdapterArgError> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Err(AdapterArgError::Empty);
+        }
+        let Some((name, dir)) = s.split_once('=') else { return Ok((None, PathBuf::from(s))) };
+        let (name, dir) = (name.trim(), dir.trim());
+        if !valid_name(name) {
+            return Err(AdapterArgError::BadName(name.to_string()));
+        }
+        if dir.is_empty() {
+            return Err(AdapterArgError::EmptyDir(name.to_string()));
+        }
+        Ok((Some(name.to_string()), PathBuf::from(dir)))
+    }
+}
+
+impl FromStr for AdapterArg {
+    type Err = AdapterArgError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (name, dir) = Self::parts(s)?;
+        if let Some(name) = name {
+            return Ok(Self { name, dir });
+        }
+        // `.`, `..` and `dir/..` have no last component of their own: the folder they stand for has.
+        let named = dir.file_name().map(PathBuf::from).or_else(|| dir.canonicalize().ok());
+        let name = named.as_deref().and_then(Path::file_name).and_then(|n| n.to_str()).filter(|n| valid_name(n));
+        match name {
+            Some(name) => Ok(Self { name: name.to_string(), dir }),
+            None => Err(AdapterArgError::Unnamed(s.trim().to_string())),
+        }
     }
 }
 
@@ -245,6 +319,36 @@ mod tests {
         std::fs::write(dir.join(FILE), "{").unwrap();
         assert!(AdapterCard::read(&dir).unwrap_err().to_string().contains(FILE));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_adapter_is_name_equals_dir_or_a_folder_named_after_itself() {
+        let parse = |s: &str| s.parse::<AdapterArg>();
+        let arg = |name: &str, dir: &str| Ok(AdapterArg { name: name.into(), dir: dir.into() });
+        assert_eq!(parse("navi=/models/navi-lora"), arg("navi", "/models/navi-lora"));
+        assert_eq!(parse(" navi = rel/x "), arg("navi", "rel/x"), "spaces around the parts go");
+        // Only the first `=` splits: the folder keeps the rest.
+        assert_eq!(parse("a=/runs/lr=2e-4"), arg("a", "/runs/lr=2e-4"));
+        // A bare folder is named after its last component, with or without a trailing slash.
+        assert_eq!(parse("runs/demo/checkpoint-000100"), arg("checkpoint-000100", "runs/demo/checkpoint-000100"));
+        assert_eq!(parse("runs/ask/"), arg("ask", "runs/ask/"));
+        // `.` names the current folder by its own name (whatever it is here, as long as it is a valid one).
+        let here = std::env::current_dir().unwrap();
+        let here = here.file_name().unwrap().to_str().unwrap();
+        if valid_name(here) {
+            assert_eq!(parse("."), arg(here, "."));
+        }
+        assert_eq!(parse(""), Err(AdapterArgError::Empty));
+        assert_eq!(parse("a="), Err(AdapterArgError::EmptyDir("a".into())));
+        assert_eq!(parse("../x=/d"), Err(AdapterArgError::BadName("../x".into())));
+        assert_eq!(parse("a b=/d"), Err(AdapterArgError::BadName("a b".into())));
+        assert_eq!(parse("=/d"), Err(AdapterArgError::BadName(String::new())));
+        assert_eq!(parse("/models/my adapter"), Err(AdapterArgError::Unnamed("/models/my adapter".into())));
+        assert!(parse("/").unwrap_err().to_string().contains("give NAME=DIR"));
+        // Where no name is needed, the folder alone is taken as it is, and NAME=DIR is checked alike.
+        assert_eq!(AdapterArg::dir_of("/models/my adapter"), Ok(PathBuf::from("/models/my adapter")));
+        assert_eq!(AdapterArg::dir_of("ask=runs/x"), Ok(PathBuf::from("runs/x")));
+        assert_eq!(AdapterArg::dir_of("a b=/d"), Err(AdapterArgError::BadName("a b".into())));
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub mod synth;
 pub mod validate;
 
 pub use action::{Action, Ask, AskKind, AskOption, Direction, DoneStatus, Segment, Target, Turn};
-pub use adapter_card::{AdapterCard, PromptFlags};
+pub use adapter_card::{AdapterArg, AdapterCard, PromptFlags};
 pub use episode::{
     load_episodes, read_episodes, write_episodes, Element, Episode, LoadedEpisode, Platform, Screen, Step, StepAsk,
 };

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use askgui_data::{Action, Ask, Element, Platform, Screen, Target, Turn};
 use askgui_eval::agent::{Agent, StepInput};
 use askgui_eval::backends::{EndpointAgent, EndpointConfig};
-use askgui_serve::config::{parse_adapter, Config};
+use askgui_serve::config::{AdapterArg, Config};
 use askgui_serve::model_backend::{ModelBackend, ModelBackendConfig};
 use common::screenshot;
 
@@ -26,7 +26,8 @@ fn endpoint_backend_gets_actions_from_the_real_server() {
     let ckpt = fixtures().join("tiny-qwen2_5_vl").display().to_string();
     let mut cfg = Config::for_model(ckpt.clone());
     cfg.port = 0;
-    cfg.adapters = vec![parse_adapter(&format!("grad={}", fixtures().join("lora/grad/adapter").display())).unwrap()];
+    let grad = format!("grad={}", fixtures().join("lora/grad/adapter").display());
+    cfg.adapters = vec![grad.parse::<AdapterArg>().unwrap()];
     let mb = ModelBackendConfig::from(&cfg);
     let factory = Box::new(move || {
         let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&mb)?);

@@ -76,6 +76,9 @@ fn from_args_wants_exactly_one_backend() {
     assert!(adapter.contains("no-such-adapter"), "{adapter}");
     let peft = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/fixtures/lora/tiny-qwen2_5_vl-peft");
     assert!(from_args(&args(&["--model", TINY, "--adapter", peft])).is_ok(), "the PEFT fixture adapter must load");
+    // askgui-serve's NAME=DIR is taken too (the name is not needed in-process).
+    let named = args(&["--model", TINY, "--adapter", &format!("ask={peft}")]);
+    assert_eq!(named.adapter.as_deref(), Some(std::path::Path::new(peft)));
     let no_name = err(&["--openai-base", "http://127.0.0.1:1/v1"]);
     assert!(no_name.contains("--openai-model"), "{no_name}");
     let bad_base = err(&["--openai-base", "localhost:8000", "--openai-model", "m"]);

@@ -6,6 +6,7 @@
 //! tensors and backends never see HTTP, so the handlers are tested against a stub backend and the model
 //! backend ([`crate::model_backend`]) without a server.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -153,6 +154,33 @@ pub struct BackendInfo {
     pub adapters: Vec<String>,
     /// The longest prompt plus answer, in tokens.
     pub context_length: usize,
+    /// The pause thresholds requests default to.
+    pub pauses: PauseLevels,
+}
+
+/// The pause thresholds requests default to: `--pause-threshold`, else the calibrated level of the
+/// askgui.json cards (the model folder's for the base model, each adapter's for requests that name it).
+/// A request's own `options.pause_threshold` wins.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PauseLevels {
+    pub base: Option<f64>,
+    pub adapters: Vec<(String, f64)>,
+}
+
+impl PauseLevels {
+    /// The default threshold of requests answered with `adapter` (None: the base model).
+    pub fn of(&self, adapter: Option<&str>) -> Option<f64> {
+        match adapter {
+            None => self.base,
+            Some(name) => self.adapters.iter().find(|(n, _)| n == name).map(|(_, t)| *t),
+        }
+    }
+
+    /// Every level by the name a request uses (`model` for the base model), for `/health`.
+    pub fn by_name(&self, model: &str) -> BTreeMap<String, f64> {
+        let base = self.base.map(|t| (model.to_string(), t));
+        base.into_iter().chain(self.adapters.iter().cloned()).collect()
+    }
 }
 
 /// The engine's side of a running batch, for backends that batch continuously: jobs that arrived since

@@ -8,6 +8,8 @@
 use std::path::PathBuf;
 
 use askgui_data::prompt::SystemPrompt;
+pub use askgui_data::AdapterArg;
+use askgui_data::FrameKind;
 use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, Quantize};
 use clap::{Args, Parser, Subcommand};
 use serde::{Serialize, Serializer};
@@ -34,29 +36,6 @@ pub enum Command {
     Predict(PredictArgs),
 }
 
-/// A LoRA adapter to load, `NAME=DIR`: requests pick it by `NAME`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct AdapterArg {
-    pub name: String,
-    pub dir: PathBuf,
-}
-
-/// Parses `NAME=DIR`. Names are what clients send in `adapter` and `model`, so they are kept to letters,
-/// digits and `-_.:` (no slashes, no spaces).
-pub fn parse_adapter(s: &str) -> Result<AdapterArg, String> {
-    let Some((name, dir)) = s.split_once('=') else {
-        return Err(format!("`{s}` is not NAME=DIR (e.g. navi-lora=/models/navi-lora)"));
-    };
-    let name = name.trim();
-    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {
-        return Err(format!("adapter name `{name}`: use letters, digits and - _ . : only"));
-    }
-    if dir.trim().is_empty() {
-        return Err(format!("adapter `{name}` has an empty directory"));
-    }
-    Ok(AdapterArg { name: name.to_string(), dir: PathBuf::from(dir.trim()) })
-}
-
 fn redact<S: Serializer>(key: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
     match key {
         Some(_) => s.serialize_str("<redacted>"),
@@ -71,8 +50,9 @@ pub struct Config {
     // Not `required`: clap would then demand it before `predict` too; `check` enforces it.
     #[arg(long, env = "ASKGUI_SERVE_MODEL", default_value = "")]
     pub model: String,
-    /// A LoRA adapter, NAME=DIR (repeat the flag; comma-separated in the environment variable).
-    #[arg(long = "adapter", env = "ASKGUI_SERVE_ADAPTERS", value_delimiter = ',', value_parser = parse_adapter)]
+    /// A LoRA adapter, NAME=DIR, or DIR named after its folder (repeat the flag; comma-separated in the
+    /// environment variable). Requests pick it by NAME.
+    #[arg(long = "adapter", env = "ASKGUI_SERVE_ADAPTERS", value_delimiter = ',')]
     pub adapters: Vec<AdapterArg>,
     /// The address to listen on (0.0.0.0: every interface).
     #[arg(long, env = "ASKGUI_SERVE_HOST", default_value = "127.0.0.1")]
@@ -127,6 +107,18 @@ pub struct Config {
     /// The image processor's max_pixels (the model's view of a screenshot) [default: as --min-pixels].
     #[arg(long, env = "ASKGUI_SERVE_MAX_PIXELS")]
     pub max_pixels: Option<usize>,
+    /// The coordinate frame the model reads and writes [default: the askgui.json of the adapters or of
+    /// the model folder, else resized].
+    #[arg(long, env = "ASKGUI_SERVE_FRAME", value_enum)]
+    pub frame: Option<FrameKind>,
+    /// Whether a request's element list goes into the prompt [default: the askgui.json of the adapters or
+    /// of the model folder, else true].
+    #[arg(long, env = "ASKGUI_SERVE_ELEMENTS", num_args = 0..=1, default_missing_value = "true")]
+    pub elements: Option<bool>,
+    /// The pause threshold of requests that give none: `ask` exactly when p(ask) is at least this
+    /// [default: each adapter's calibrated level in its askgui.json, else the model's own choice].
+    #[arg(long, env = "ASKGUI_SERVE_PAUSE_THRESHOLD")]
+    pub pause_threshold: Option<f64>,
     /// Where the model runs: `auto` is the first CUDA GPU when the binary is built with
     /// `--features cuda` and one is present, else the CPU.
     #[arg(long, env = "ASKGUI_SERVE_DEVICE", value_enum, default_value_t = DeviceKind::Auto)]
@@ -180,6 +172,9 @@ impl Config {
                 return Err(format!("adapter `{}` has the base model's name", a.name));
             }
         }
+        if self.pause_threshold.is_some_and(|t| !(0.0..=1.0).contains(&t)) {
+            return Err(format!("--pause-threshold {}: give a probability from 0 to 1", self.pause_threshold.unwrap()));
+        }
         if self.max_image_pixels == 0 {
             return Err("--max-image-pixels must be at least 1".into());
         }
@@ -210,9 +205,9 @@ pub struct PredictArgs {
     /// The task, as a user would give it.
     #[arg(long)]
     pub task: String,
-    /// A LoRA adapter directory to answer with.
+    /// A LoRA adapter to answer with: NAME=DIR, or DIR named after its folder.
     #[arg(long)]
-    pub adapter: Option<PathBuf>,
+    pub adapter: Option<AdapterArg>,
     /// The longest answer, in tokens.
     #[arg(long, default_value_t = 256)]
     pub max_tokens: u32,
@@ -222,20 +217,15 @@ pub struct PredictArgs {
 }
 
 impl PredictArgs {
-    /// The adapter's name: its directory's last component.
+    /// The adapter's name.
     pub fn adapter_name(&self) -> Option<String> {
-        let dir = self.adapter.as_ref()?;
-        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "adapter".into());
-        Some(name)
+        self.adapter.as_ref().map(|a| a.name.clone())
     }
 
     /// The server settings a backend is loaded with for this one step.
     pub fn config(&self) -> Config {
         let mut cfg = Config::for_model(self.model.clone());
-        cfg.adapters = match (self.adapter_name(), &self.adapter) {
-            (Some(name), Some(dir)) => vec![AdapterArg { name, dir: dir.clone() }],
-            _ => vec![],
-        };
+        cfg.adapters = self.adapter.iter().cloned().collect();
         cfg.max_batch = 1;
         cfg.max_tokens = self.max_tokens;
         cfg.stub = self.stub;
@@ -278,17 +268,82 @@ mod tests {
         let cli = Cli::parse_from(["askgui-serve", "predict", "--model", "m", "--image", "s.png", "--task", "t"]);
         let Some(Command::Predict(p)) = cli.command else { panic!("not predict") };
         assert_eq!((p.model.as_str(), p.task.as_str()), ("m", "t"));
-        let p = PredictArgs { adapter: Some("/a/navi-lora".into()), ..p };
-        assert_eq!(p.config().adapters[0].name, "navi-lora");
+        // The one adapter syntax: a bare folder is named after itself, NAME=DIR names it.
+        for (flag, name, dir) in [("/a/navi-lora", "navi-lora", "/a/navi-lora"), ("ask=/a/x", "ask", "/a/x")] {
+            let cli = Cli::parse_from([
+                "askgui-serve",
+                "predict",
+                "--model",
+                "m",
+                "--image",
+                "s",
+                "--task",
+                "t",
+                "--adapter",
+                flag,
+            ]);
+            let Some(Command::Predict(p)) = cli.command else { panic!("not predict") };
+            let want = AdapterArg { name: name.into(), dir: dir.into() };
+            assert_eq!((p.adapter_name().as_deref(), p.config().adapters), (Some(name), vec![want]));
+        }
+    }
+
+    #[test]
+    fn a_bare_adapter_folder_is_served_under_its_folder_name() {
+        let c =
+            Cli::parse_from(["askgui-serve", "--model", "m", "--adapter", "runs/demo/adapter/", "--adapter", "b=x"])
+                .serve;
+        let names: Vec<&str> = c.adapters.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(names, ["adapter", "b"]);
+        assert_eq!(c.adapters[0].dir, PathBuf::from("runs/demo/adapter/"));
+    }
+
+    #[test]
+    fn the_default_address_is_the_playground_url_the_demo_prints() {
+        // askgui-train demo ends with "open http://127.0.0.1:8000/" (train/src/demo.rs, PLAYGROUND_URL)
+        // after a serve command without --host or --port.
+        let c = Cli::parse_from(["askgui-serve", "--model", "m"]).serve;
+        assert_eq!(format!("http://{}:{}/", c.host, c.port), "http://127.0.0.1:8000/");
+        assert!(!c.no_ui, "the page is served by default");
+    }
+
+    #[test]
+    fn every_card_setting_has_a_flag() {
+        let c = Cli::parse_from([
+            "askgui-serve",
+            "--model",
+            "m",
+            "--system-prompt",
+            "compact",
+            "--frame",
+            "relative1000",
+            "--min-pixels",
+            "3136",
+            "--max-pixels",
+            "12544",
+            "--elements",
+            "false",
+            "--pause-threshold",
+            "0.5",
+        ])
+        .serve;
+        assert_eq!(c.system_prompt, Some(SystemPrompt::Compact));
+        assert_eq!(c.frame, Some(FrameKind::Relative1000));
+        assert_eq!((c.min_pixels, c.max_pixels), (Some(3136), Some(12544)));
+        assert_eq!((c.elements, c.pause_threshold), (Some(false), Some(0.5)));
+        // `--elements` alone is true; unset is the card's.
+        assert_eq!(Cli::parse_from(["askgui-serve", "--model", "m", "--elements"]).serve.elements, Some(true));
+        assert_eq!(Cli::parse_from(["askgui-serve", "--model", "m"]).serve.elements, None);
+        let over = Cli::parse_from(["askgui-serve", "--model", "m", "--pause-threshold", "1.5"]).serve;
+        assert!(over.check().unwrap_err().contains("from 0 to 1"));
     }
 
     #[test]
     fn bad_adapters_and_zero_limits_are_refused() {
-        assert!(parse_adapter("noequals").is_err());
-        assert!(parse_adapter("../x=/d").is_err());
-        assert!(parse_adapter("a b=/d").is_err());
-        assert!(parse_adapter("a=").is_err());
-        assert_eq!(parse_adapter("a=/d").unwrap().dir, PathBuf::from("/d"));
+        for bad in ["../x=/d", "a b=/d", "a=", "", "/models/my adapter"] {
+            let e = Cli::try_parse_from(["askgui-serve", "--model", "m", "--adapter", bad]).unwrap_err().to_string();
+            assert!(e.contains("NAME=DIR"), "`{bad}`: {e}");
+        }
         assert!(Cli::try_parse_from(["askgui-serve", "--model", "m", "--max-batch", "0"]).is_err());
         assert!(Cli::parse_from(["askgui-serve"]).serve.check().is_err(), "the model is required");
         assert!(Cli::parse_from(["askgui-serve", "--model", "m", "--adapter", "a=x,a=y"]).serve.check().is_err());

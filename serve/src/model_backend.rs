@@ -18,12 +18,12 @@ use askgui_data::{AdapterCard, PromptConfig, PromptFlags};
 use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, Quantize, Qwen2Vl};
 use askgui_runtime::{apply_image_bounds, Packed, Runtime};
 
+pub use crate::backend::PauseLevels;
 use crate::backend::{Backend, BackendError, BackendInfo, ChatJob, ChatOutput, Intake, Job, StepJob};
 use crate::batcher::{Batcher, Client};
 use crate::config::Config;
 pub use jobs::runtime_step;
 use jobs::Jobs;
-pub use jobs::PauseLevels;
 use runner::Runner;
 pub use runner::PREFILL_CHUNK;
 
@@ -41,6 +41,8 @@ pub struct ModelBackendConfig {
     /// The flags of the prompt settings (system prompt, pixel bounds); unset ones take the askgui.json
     /// of the adapters or of the model folder ([`served_card`]).
     pub prompt: PromptFlags,
+    /// The pause threshold of requests that give none, over every card's calibrated level.
+    pub pause_threshold: Option<f64>,
     /// Where the model runs (and so its weights' default dtype).
     pub device: DeviceKind,
     /// The weights' dtype (`auto`: the device's default).
@@ -62,10 +64,13 @@ impl From<&Config> for ModelBackendConfig {
             kv_cache_mb: cfg.kv_cache_mb,
             prompt: PromptFlags {
                 system_prompt: cfg.system_prompt,
+                frame: cfg.frame,
                 min_pixels: cfg.min_pixels,
                 max_pixels: cfg.max_pixels,
-                ..PromptFlags::default()
+                elements: cfg.elements,
+                history_images: None,
             },
+            pause_threshold: cfg.pause_threshold,
             device: cfg.device,
             dtype: cfg.dtype,
             kernels: cfg.kernels,
@@ -77,23 +82,18 @@ impl From<&Config> for ModelBackendConfig {
 
 /// The askgui.json the server's prompt settings default to: those of the model folder and of every
 /// adapter (`cards`, by what they belong to) must agree on each setting no flag gives, since one server
-/// builds every prompt alike. Settings the server does not apply (history screenshots: a request carries
-/// one screenshot; element lists: the request decides) are warned about.
+/// builds every prompt alike; every disagreement is named at once. History screenshots (a request carries
+/// one screenshot) are warned about.
 pub fn served_card(flags: &PromptFlags, cards: &[(String, AdapterCard)]) -> anyhow::Result<Option<AdapterCard>> {
     let Some((first_name, first)) = cards.first() else { return Ok(None) };
+    let mut conflicts = Vec::new();
+    let mut settings: Vec<&str> = Vec::new();
     for (name, c) in cards {
-        let differs = [
-            ("system-prompt", flags.system_prompt.is_none() && c.prompt.system_prompt != first.prompt.system_prompt),
-            ("min-pixels", flags.min_pixels.is_none() && c.image.min_pixels != first.image.min_pixels),
-            ("max-pixels", flags.max_pixels.is_none() && c.image.max_pixels != first.image.max_pixels),
-            ("frame", flags.frame.is_none() && c.prompt.frame != first.prompt.frame),
-        ];
-        if let Some((setting, _)) = differs.iter().find(|d| d.1) {
-            bail!(
-                "{first_name} and {name} were trained with different {setting} (their askgui.json): one server \
-                 builds every prompt alike; give --{setting} to serve both with one value, or serve them from \
-                 separate servers"
-            );
+        let differs = differing(flags, first, c);
+        if !differs.is_empty() {
+            let listed: Vec<String> = differs.iter().map(|(s, a, b)| format!("{s} {a} vs {b}")).collect();
+            conflicts.push(format!("{first_name} and {name}: {}", listed.join(", ")));
+            settings.extend(differs.iter().map(|d| d.0).filter(|s| !settings.contains(s)).collect::<Vec<_>>());
         }
         if c.prompt.history_images > 0 {
             tracing::warn!(
@@ -103,7 +103,32 @@ pub fn served_card(flags: &PromptFlags, cards: &[(String, AdapterCard)]) -> anyh
             );
         }
     }
+    if !conflicts.is_empty() {
+        let flags: Vec<String> = settings.iter().map(|s| format!("--{s}")).collect();
+        bail!(
+            "the askgui.json cards disagree ({}): one server builds every prompt alike; give {} to serve them \
+             with one value, or serve them from separate servers",
+            conflicts.join("; "),
+            flags.join(" and ")
+        );
+    }
     Ok(Some(first.clone()))
+}
+
+/// The settings no flag gives on which `b` differs from `a`: (flag, a's value, b's value).
+fn differing(flags: &PromptFlags, a: &AdapterCard, b: &AdapterCard) -> Vec<(&'static str, String, String)> {
+    fn named<T: clap::ValueEnum>(v: &T) -> String {
+        v.to_possible_value().map(|p| p.get_name().to_string()).unwrap_or_default()
+    }
+    let (pa, pb) = (&a.prompt, &b.prompt);
+    let candidates = [
+        ("system-prompt", flags.system_prompt.is_none(), named(&pa.system_prompt), named(&pb.system_prompt)),
+        ("frame", flags.frame.is_none(), named(&pa.frame), named(&pb.frame)),
+        ("min-pixels", flags.min_pixels.is_none(), a.image.min_pixels.to_string(), b.image.min_pixels.to_string()),
+        ("max-pixels", flags.max_pixels.is_none(), a.image.max_pixels.to_string(), b.image.max_pixels.to_string()),
+        ("elements", flags.elements.is_none(), pa.elements.to_string(), pb.elements.to_string()),
+    ];
+    candidates.into_iter().filter(|(_, unset, x, y)| *unset && x != y).map(|(s, _, x, y)| (s, x, y)).collect()
 }
 
 /// The model backend: the `Runner` that owns the model and the `Jobs` that answer requests.
@@ -140,7 +165,13 @@ impl ModelBackend {
                 cards.push((format!("adapter `{name}`"), c));
             }
         }
-        if pauses.base.is_some() || !pauses.adapters.is_empty() {
+        if let Some(t) = cfg.pause_threshold {
+            if pauses != PauseLevels::default() {
+                tracing::warn!(?pauses, "--pause-threshold {t} overrides the calibrated levels of askgui.json");
+            }
+            let adapters = cfg.adapters.iter().map(|(name, _)| (name.clone(), t)).collect();
+            pauses = PauseLevels { base: Some(t), adapters };
+        } else if pauses != PauseLevels::default() {
             tracing::info!(?pauses, "calibrated pause thresholds (askgui.json); a request's pause_threshold wins");
         }
         let flags = cfg.prompt.with_card(served_card(&cfg.prompt, &cards)?.as_ref());
@@ -160,15 +191,16 @@ impl ModelBackend {
         let runtime = Runtime::new(&model, prompt).context("the model's tokenizer")?;
         let mut adapters: Vec<String> = model.adapter_names().into_iter().map(String::from).collect();
         adapters.sort();
-        let info = BackendInfo { model: model_id.into(), adapters, context_length: runtime.context_length() };
-        let jobs = Jobs { runtime, info, pauses: PauseLevels::default() };
+        let context_length = runtime.context_length();
+        let info = BackendInfo { model: model_id.into(), adapters, context_length, pauses: PauseLevels::default() };
+        let jobs = Jobs { runtime, info };
         let kv_pool = jobs.runtime.kv_pool().clone();
         Ok(Self { runner: Runner::new(Packed::new(model), kv_pool), jobs })
     }
 
     /// Sets the calibrated pause thresholds requests default to.
     pub fn with_pause_levels(mut self, pauses: PauseLevels) -> Self {
-        self.jobs.pauses = pauses;
+        self.jobs.info.pauses = pauses;
         self
     }
 
@@ -180,17 +212,17 @@ impl ModelBackend {
 
     /// Sets the prefix cache's size in bytes (0: no reuse).
     pub fn with_prefix_cache(self, bytes: usize) -> Self {
-        let Self { runner, jobs: Jobs { runtime, info, pauses } } = self;
-        Self { runner, jobs: Jobs { runtime: runtime.with_prefix_cache(bytes), info, pauses } }
+        let Self { runner, jobs: Jobs { runtime, info } } = self;
+        Self { runner, jobs: Jobs { runtime: runtime.with_prefix_cache(bytes), info } }
     }
 
     /// Bounds the KV caches of all jobs and cached prefixes to `megabytes` (0: no bound); a prompt that
     /// does not fit after dropping cached prefixes is answered 503.
     pub fn with_kv_cache_mb(self, megabytes: f64) -> Self {
-        let Self { mut runner, jobs: Jobs { runtime, info, pauses } } = self;
+        let Self { mut runner, jobs: Jobs { runtime, info } } = self;
         let runtime = runtime.with_kv_cache_mb(megabytes);
         runner.kv_pool = runtime.kv_pool().clone();
-        Self { runner, jobs: Jobs { runtime, info, pauses } }
+        Self { runner, jobs: Jobs { runtime, info } }
     }
 
     /// Sets the prefill chunk: the most new tokens of one sequence in one forward (`usize::MAX`: none).
@@ -249,11 +281,11 @@ fn bind_or_log(device: &candle_core::Device) {
     }
 }
 
-/// The server's prompt settings: the flags (after askgui.json), with the element list shown whenever a
-/// request sends one and the current screenshot only (a request carries one).
-/// `native` is the model family's frame, for when neither a flag nor a card sets one.
+/// The server's prompt settings: the flags (after askgui.json), with the current screenshot only (a
+/// request carries one) and, unless a flag or card says otherwise, a request's element list shown; `native`
+/// is the model family's frame, for when neither a flag nor a card sets one.
 fn served_prompt(flags: &PromptFlags, native: askgui_data::FrameKind) -> PromptConfig {
-    PromptConfig { elements: true, history_images: 0, ..flags.config_in(native) }
+    PromptConfig { elements: flags.elements.unwrap_or(true), history_images: 0, ..flags.config_in(native) }
 }
 
 impl Backend for ModelBackend {

@@ -91,6 +91,7 @@ async fn health(state: web::Data<AppState>) -> HttpResponse {
             "status": "ok",
             "model": info.model,
             "adapters": info.adapters,
+            "pause_thresholds": info.pauses.by_name(&info.model),
             "queue_depth": state.engine.queue_depth(),
             "live_sessions": state.sessions.len(),
         })),

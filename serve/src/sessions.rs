@@ -10,10 +10,12 @@
 //!   the same session answers 409. Two concurrent steps would both be predicted from the same history and
 //!   the second answer would be stale, so the client is told rather than queued.
 //! - Memory: a session can go on to a next task (`POST /v1/sessions/{id}/tasks`). The finished task's
-//!   questions and the user's answers, and what the user asked the agent to remember, stay as the
-//!   session's memory: ASK/SAY turns that open every later step's history, so the model reads them where
-//!   it was trained to read the dialogue. The oldest go first beyond [`MEMORY_TURNS`] turns or
-//!   [`MEMORY_CHARS`] characters (the context budget).
+//!   answered questions (each ask with its answer; an unanswered one is dropped) and what the user asked
+//!   the agent to remember stay as the session's memory: turns that open every later step's history, so
+//!   the model reads them where it was trained to read the dialogue. Remembered statements come first,
+//!   each a SAY of its own, so that none reads as the answer to a question. Beyond [`MEMORY_TURNS`] turns
+//!   or [`MEMORY_CHARS`] characters (the context budget) the oldest pairs go first, then the oldest
+//!   statements.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -36,8 +38,8 @@ pub struct Session {
     pub task: String,
     pub adapter: Option<String>,
     pub options: StepOptions,
-    /// ASK/SAY turns kept from earlier tasks and what the user asked to be remembered, oldest first.
-    pub memory: Vec<Turn>,
+    /// What earlier tasks and the user's statements left.
+    pub memory: Memory,
     pub history: Vec<Turn>,
     /// Unix seconds.
     pub created: u64,
@@ -45,10 +47,66 @@ pub struct Session {
     busy: bool,
 }
 
+/// A session's memory: what the user asked to be remembered and the answered questions of earlier tasks,
+/// each oldest first.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Memory {
+    remembered: Vec<String>,
+    /// Each question with the user's answer.
+    answered: Vec<(Action, String)>,
+}
+
+impl Memory {
+    /// The memory as the model reads it: the remembered statements, each a SAY on its own, then each
+    /// answered question as its ASK and SAY.
+    pub fn turns(&self) -> Vec<Turn> {
+        let said = self.remembered.iter().map(|text| Turn::Say { text: text.clone() });
+        let pairs = self
+            .answered
+            .iter()
+            .flat_map(|(ask, text)| [Turn::Agent { action: ask.clone() }, Turn::Say { text: text.clone() }]);
+        said.chain(pairs).collect()
+    }
+
+    /// Adds `remember` and the answered questions of a finished task's `history`, then keeps to the budget.
+    fn add(&mut self, history: &[Turn], remember: Vec<String>) {
+        self.remembered.extend(remember);
+        for pair in history.windows(2) {
+            if let [Turn::Agent { action: ask @ Action::Ask(_) }, Turn::Say { text }] = pair {
+                self.answered.push((ask.clone(), text.clone()));
+            }
+        }
+        self.bound();
+    }
+
+    /// Drops the oldest pairs, then the oldest statements, beyond [`MEMORY_TURNS`] or [`MEMORY_CHARS`].
+    fn bound(&mut self) {
+        let chars = |m: &Self| {
+            let said: usize = m.remembered.iter().map(String::len).sum();
+            let pairs: usize = m.answered.iter().map(|(a, t)| t.len() + ask_len(a)).sum();
+            said + pairs
+        };
+        while self.remembered.len() + 2 * self.answered.len() > MEMORY_TURNS || chars(self) > MEMORY_CHARS {
+            if self.answered.is_empty() {
+                self.remembered.remove(0);
+            } else {
+                self.answered.remove(0);
+            }
+        }
+    }
+}
+
+fn ask_len(a: &Action) -> usize {
+    match a {
+        Action::Ask(a) => a.question.len(),
+        _ => 0,
+    }
+}
+
 impl Session {
     /// What the model is shown before this task's turns: the memory, then the history.
     pub fn context(&self) -> Vec<Turn> {
-        self.memory.iter().chain(&self.history).cloned().collect()
+        self.memory.turns().into_iter().chain(self.history.iter().cloned()).collect()
     }
 
     /// The agent's last turn was an `ask` not yet answered.
@@ -161,7 +219,11 @@ impl SessionStore {
             task,
             adapter,
             options,
-            memory: bounded(remember.into_iter().map(|text| Turn::Say { text }).collect()),
+            memory: {
+                let mut m = Memory::default();
+                m.add(&[], remember);
+                m
+            },
             history: Vec::new(),
             created: unix_now(),
             last_used: Instant::now(),
@@ -180,7 +242,7 @@ impl SessionStore {
             id: s.id.clone(),
             task: s.task.clone(),
             adapter: s.adapter.clone(),
-            memory: s.memory.clone(),
+            memory: s.memory.turns(),
             history: s.history.clone(),
             waiting_for_answer: s.waiting_for_answer(),
             created: s.created,
@@ -233,8 +295,8 @@ impl SessionStore {
         self.view(id)
     }
 
-    /// Goes on to `task`: the finished task's ASK and SAY turns and `remember` join the memory, and the
-    /// history starts empty.
+    /// Goes on to `task`: the finished task's answered questions and `remember` join the memory (an ask
+    /// left unanswered does not), and the history starts empty.
     pub fn next_task(&self, id: &str, task: String, remember: Vec<String>) -> Result<SessionView, SessionError> {
         {
             let mut map = self.lock();
@@ -243,13 +305,8 @@ impl SessionStore {
             if s.busy {
                 return Err(SessionError::Busy(id.to_string()));
             }
-            let dialogue = std::mem::take(&mut s.history).into_iter().filter(|t| match t {
-                Turn::Agent { action } => action.is_ask(),
-                Turn::Say { .. } => true,
-            });
-            let mut memory = std::mem::take(&mut s.memory);
-            memory.extend(dialogue.chain(remember.into_iter().map(|text| Turn::Say { text })));
-            s.memory = bounded(memory);
+            let history = std::mem::take(&mut s.history);
+            s.memory.add(&history, remember);
             s.task = task;
             s.last_used = Instant::now();
         }
@@ -264,19 +321,6 @@ impl SessionStore {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-}
-
-/// `memory` without its oldest turns beyond [`MEMORY_TURNS`] turns or [`MEMORY_CHARS`] characters.
-fn bounded(mut memory: Vec<Turn>) -> Vec<Turn> {
-    let chars = |t: &Turn| match t {
-        Turn::Agent { action: Action::Ask(a) } => a.question.len(),
-        Turn::Agent { .. } => 0,
-        Turn::Say { text } => text.len(),
-    };
-    while memory.len() > MEMORY_TURNS || memory.iter().map(chars).sum::<usize>() > MEMORY_CHARS {
-        memory.remove(0);
-    }
-    memory
 }
 
 #[cfg(test)]
@@ -315,8 +359,12 @@ mod tests {
         assert!(matches!(store.delete(&id), Err(SessionError::NotFound(_))));
     }
 
+    fn say(t: &str) -> Turn {
+        Turn::Say { text: t.into() }
+    }
+
     #[test]
-    fn the_next_task_keeps_the_dialogue_and_what_to_remember() {
+    fn the_next_task_keeps_the_answered_questions_and_what_to_remember() {
         let store = SessionStore::new(Duration::from_secs(60), 2);
         let id = store.create("t1".into(), None, StepOptions::default(), vec!["I am vegan".into()]).unwrap();
         let (_, lease) = store.begin_step(&id).unwrap();
@@ -325,19 +373,59 @@ mod tests {
         let (_, lease) = store.begin_step(&id).unwrap();
         store.finish_step(lease, Action::Click(Target::point(1, 2)));
         let v = store.next_task(&id, "t2".into(), vec!["Deliver after 6".into()]).unwrap();
-        let say = |t: &str| Turn::Say { text: t.into() };
+        // The statements first, each on its own; then the question with its answer.
         assert_eq!(
             v.memory,
-            [say("I am vegan"), Turn::Agent { action: ask() }, say("Oat milk"), say("Deliver after 6")]
+            [say("I am vegan"), say("Deliver after 6"), Turn::Agent { action: ask() }, say("Oat milk")]
         );
         assert!(v.history.is_empty() && v.task == "t2");
         let (s, _lease) = store.begin_step(&id).unwrap();
         assert_eq!(s.context(), v.memory, "the next step's history opens with the memory");
-        // Beyond the budget the oldest turns go.
-        let long: Vec<Turn> = (0..MEMORY_TURNS + 5).map(|i| say(&format!("fact {i}"))).collect();
-        let kept = bounded(long);
-        assert_eq!((kept.len(), &kept[0]), (MEMORY_TURNS, &say("fact 5")));
-        assert_eq!(bounded(vec![say(&"x".repeat(MEMORY_CHARS + 1)), say("y")]), [say("y")]);
+    }
+
+    #[test]
+    fn an_unanswered_ask_does_not_enter_memory_and_a_statement_never_follows_an_ask() {
+        let store = SessionStore::new(Duration::from_secs(60), 2);
+        let id = store.create("t1".into(), None, StepOptions::default(), vec![]).unwrap();
+        let (_, lease) = store.begin_step(&id).unwrap();
+        store.finish_step(lease, ask());
+        // The user goes on without answering, and states a fact.
+        let v = store.next_task(&id, "t2".into(), vec!["I live in Lyon".into()]).unwrap();
+        assert_eq!(v.memory, [say("I live in Lyon")], "the unanswered `Which?` is gone");
+        // Answered in task 2, then a statement with task 3: the statement still comes before every ask.
+        let (_, lease) = store.begin_step(&id).unwrap();
+        store.finish_step(lease, ask());
+        store.say(&id, "The red one".into()).unwrap();
+        let v = store.next_task(&id, "t3".into(), vec!["Pay by card".into()]).unwrap();
+        let want = [say("I live in Lyon"), say("Pay by card"), Turn::Agent { action: ask() }, say("The red one")];
+        assert_eq!(v.memory, want);
+        for (i, t) in v.memory.iter().enumerate() {
+            if let Turn::Agent { action } = t {
+                assert_eq!(v.memory[i + 1], say("The red one"), "an ask is followed by its own answer only");
+                assert!(action.is_ask());
+            }
+        }
+    }
+
+    #[test]
+    fn beyond_the_budget_the_oldest_pairs_go_first_then_the_oldest_statements() {
+        let mut m = Memory::default();
+        m.add(&[], vec!["fact".into()]);
+        // MEMORY_TURNS / 2 + 1 answered questions: one pair over the budget with the statement.
+        let history: Vec<Turn> =
+            (0..MEMORY_TURNS / 2).flat_map(|i| [Turn::Agent { action: ask() }, say(&format!("answer {i}"))]).collect();
+        m.add(&history, vec![]);
+        let turns = m.turns();
+        // 1 statement + 12 pairs = 25 turns > 24: the oldest pair (answer 0) went, the statement stayed.
+        assert_eq!(turns.len(), 1 + 2 * (MEMORY_TURNS / 2 - 1));
+        assert_eq!((&turns[0], &turns[2]), (&say("fact"), &say("answer 1")));
+        // Statements alone: the oldest go.
+        let mut m = Memory::default();
+        m.add(&[], (0..MEMORY_TURNS + 5).map(|i| format!("fact {i}")).collect());
+        assert_eq!((m.turns().len(), &m.turns()[0]), (MEMORY_TURNS, &say("fact 5")));
+        let mut m = Memory::default();
+        m.add(&[], vec!["x".repeat(MEMORY_CHARS + 1), "y".into()]);
+        assert_eq!(m.turns(), [say("y")]);
     }
 
     #[test]

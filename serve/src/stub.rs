@@ -23,7 +23,7 @@ use askgui_data::{Action, Ask, AskKind, FrameKind, FrameMap, ResizeBounds, Targe
 
 use crate::backend::{
     Backend, BackendError, BackendInfo, ChatJob, ChatOutput, ChatPart, ChatRole, FinishReason, Job, JobKind, JobOutput,
-    StepJob,
+    PauseLevels, StepJob,
 };
 
 /// What the stub saw, shared with the test that built it.
@@ -91,8 +91,15 @@ impl StubBackend {
             model: model.to_string(),
             adapters: adapters.iter().map(|a| a.to_string()).collect(),
             context_length: 4096,
+            pauses: PauseLevels::default(),
         };
         Self { info, log }
+    }
+
+    /// Claims these pause levels (the stub itself never pauses by them).
+    pub fn with_pause_levels(mut self, pauses: PauseLevels) -> Self {
+        self.info.pauses = pauses;
+        self
     }
 
     pub fn log(&self) -> Arc<StubLog> {

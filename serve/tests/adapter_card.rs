@@ -1,13 +1,14 @@
 //! The server takes its prompt settings from the askgui.json of the adapters it loads: the card's
 //! max_pixels decides the frame the model sees and its system prompt the prompt's length; a flag with
-//! another value wins with a warning; adapters whose cards disagree are refused unless a flag decides.
+//! another value wins with a warning; adapters whose cards disagree are refused, every disagreement named,
+//! unless flags decide.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use askgui_data::adapter_card::CardPause;
 use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, StepOptions};
-use askgui_data::{AdapterCard, PromptConfig, SystemPrompt};
+use askgui_data::{AdapterCard, FrameKind, PromptConfig, SystemPrompt};
 use askgui_serve::backend::{ImageInput, StepJob};
 use askgui_serve::model_backend::{ModelBackend, ModelBackendConfig};
 use clap::Parser;
@@ -17,13 +18,18 @@ const PEFT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/fixtures
 
 /// The PEFT fixture adapter in a folder of its own with a card of `max_pixels` and `system`.
 fn adapter(name: &str, max_pixels: usize, system: SystemPrompt) -> PathBuf {
+    adapter_with(name, PromptConfig { max_pixels, system_prompt: system, ..Default::default() })
+}
+
+/// The PEFT fixture adapter in a folder of its own with a card of `prompt`.
+fn adapter_with(name: &str, prompt: PromptConfig) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("askgui-serve-card-{name}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
         std::fs::copy(Path::new(PEFT).join(f), dir.join(f)).unwrap();
     }
-    AdapterCard::new(&PromptConfig { max_pixels, system_prompt: system, ..Default::default() }, 0).write(&dir).unwrap();
+    AdapterCard::new(&prompt, 0).write(&dir).unwrap();
     dir
 }
 
@@ -104,6 +110,64 @@ fn adapters_trained_differently_need_a_flag_to_share_a_server() {
     let (r, logged) = step(&config(&["--max-pixels", "57344"], &[("s", &small), ("l", &large)]));
     assert!(area(&r.unwrap()) <= 57_344);
     assert!(logged.contains("--max-pixels 57344") && logged.contains("max-pixels = 12544"), "{logged}");
+}
+
+/// Every setting the cards disagree on is named in one refusal, with the flags that settle them; giving
+/// those flags serves both.
+#[test]
+fn every_disagreement_is_named_at_once() {
+    let a = adapter_with("all-a", PromptConfig { max_pixels: 12_544, ..Default::default() });
+    let b = adapter_with(
+        "all-b",
+        PromptConfig {
+            max_pixels: 57_344,
+            system_prompt: SystemPrompt::Compact,
+            frame: FrameKind::Relative1000,
+            elements: true,
+            ..Default::default()
+        },
+    );
+    let (r, _) = step(&config(&[], &[("a", &a), ("b", &b)]));
+    let e = format!("{:#}", r.unwrap_err());
+    // PromptConfig::default() is full / resized / no elements; `b` differs from it in all four.
+    for named in [
+        "system-prompt full vs compact",
+        "frame resized vs relative1000",
+        "max-pixels 12544 vs 57344",
+        "elements false vs true",
+        "--system-prompt and --frame and --max-pixels and --elements",
+    ] {
+        assert!(e.contains(named), "`{named}` is not in: {e}");
+    }
+    assert!(!e.contains("min-pixels"), "the cards agree on min-pixels: {e}");
+    let settle = ["--system-prompt", "full", "--frame", "resized", "--max-pixels", "12544", "--elements", "false"];
+    let (r, _) = step(&config(&settle, &[("a", &a), ("b", &b)]));
+    assert!(area(&r.unwrap()) <= 12_544);
+}
+
+/// `--pause-threshold` is every request's default over the cards' calibrated levels, and `/health`'s
+/// `pause_thresholds` says what each model answers with.
+#[test]
+fn the_pause_threshold_flag_wins_over_the_cards() {
+    use askgui_serve::backend::Backend;
+    let dir = adapter("pause-flag", 12_544, SystemPrompt::Full);
+    let mut card = AdapterCard::read(&dir).unwrap().unwrap();
+    card.pause = Some(CardPause {
+        threshold: 0.25,
+        target_fpr: 0.05,
+        episodes: "val.jsonl".into(),
+        strict_f1: None,
+        fpr: None,
+        bound_met: true,
+    });
+    card.write(&dir).unwrap();
+    let carded = ModelBackend::load(&config(&[], &[("a", &dir)])).unwrap();
+    let want: std::collections::BTreeMap<String, f64> = [("a".to_string(), 0.25)].into();
+    assert_eq!(carded.info().pauses.by_name("m"), want, "the card's level; the base model has none");
+    drop(carded);
+    let flagged = ModelBackend::load(&config(&["--pause-threshold", "0.5"], &[("a", &dir)])).unwrap();
+    let want: std::collections::BTreeMap<String, f64> = [("a".to_string(), 0.5), ("m".to_string(), 0.5)].into();
+    assert_eq!(flagged.info().pauses.by_name("m"), want);
 }
 
 #[test]

@@ -146,12 +146,13 @@ fn a_session_remembers_the_users_answers_and_statements_across_tasks() {
     assert_eq!(post(&format!("{session}/say"), &json!({"text": "Oat milk, please."})).status, 200);
     assert_eq!(post(&format!("{session}/step"), &obs).json()["action"]["action"], "click");
 
-    // Task 2 in the same session: the dialogue and the statements are kept, the actions are not.
+    // Task 2 in the same session: the statements (first, each on its own) and the answered question are
+    // kept, the actions are not.
     let r = post(&format!("{session}/tasks"), &json!({"task": "Order a coffee", "remember": ["Deliver after 6 pm."]}));
     assert_eq!(r.status, 200, "{}", r.body);
     let say = |t: &str| json!({"turn": "say", "text": t});
     let ask = json!({"turn": "agent", "action": {"action": "ask", "question": "Which one do you mean?", "kind": "specification"}});
-    let memory = json!([say("I am vegan."), ask, say("Oat milk, please."), say("Deliver after 6 pm.")]);
+    let memory = json!([say("I am vegan."), say("Deliver after 6 pm."), ask, say("Oat milk, please.")]);
     let v = get(&session).json();
     assert_eq!((&v["memory"], &v["history"], &v["task"]), (&memory, &json!([]), &json!("Order a coffee")));
     assert_eq!(post(&format!("{session}/step"), &obs).status, 200);
@@ -179,6 +180,24 @@ fn a_session_remembers_the_users_answers_and_statements_across_tasks() {
     assert!(r.status == 400 && r.message().contains("remember[0]"), "{}", r.body);
     assert_eq!(post(&format!("{session}/tasks"), &json!({"task": " "})).status, 400);
     assert_eq!(post(&server.url("/v1/sessions/0123/tasks"), &json!({"task": "x"})).status, 404);
+    server.stop();
+}
+
+/// The user leaves the agent's question unanswered and goes on with a statement to remember: the model of
+/// the next task must not read that statement as the answer, so the question is not carried over.
+#[test]
+fn an_unanswered_ask_stays_out_of_the_next_tasks_memory() {
+    let (server, log) = serve();
+    let r = post(&server.url("/v1/sessions"), &json!({"task": "Buy the milk?"}));
+    let session = server.url(&format!("/v1/sessions/{}", r.json()["id"].as_str().unwrap()));
+    let obs = json!({"observation": {"screenshot": data_url(&png(40, 30))}});
+    assert_eq!(post(&format!("{session}/step"), &obs).json()["action"]["action"], "ask");
+    let r = post(&format!("{session}/tasks"), &json!({"task": "Order a coffee", "remember": ["I am vegan."]}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["memory"], json!([{"turn": "say", "text": "I am vegan."}]));
+    assert_eq!(post(&format!("{session}/step"), &obs).status, 200);
+    let req = log.step_requests().pop().expect("a step");
+    assert_eq!(req.history, [askgui_data::Turn::Say { text: "I am vegan.".into() }], "what the model was given");
     server.stop();
 }
 
@@ -339,7 +358,10 @@ fn health_says_loading_until_the_backend_is_built() {
     release.send(()).unwrap();
     wait_ready(&server);
     let v = get(&server.url("/health")).json();
-    assert_eq!(v, json!({"status": "ok", "model": MODEL, "adapters": [ADAPTER], "queue_depth": 0, "live_sessions": 0}));
+    // The stub claims no pause levels: an empty map.
+    let ok = json!({"status": "ok", "model": MODEL, "adapters": [ADAPTER], "pause_thresholds": {}, "queue_depth": 0,
+                    "live_sessions": 0});
+    assert_eq!(v, ok);
     server.stop();
 }
 
@@ -534,7 +556,8 @@ fn predict_runs_one_step_without_a_server() {
         model: MODEL.into(),
         image: image.clone(),
         task: "Open the menu".into(),
-        adapter: Some(dir.join(ADAPTER)),
+        // A bare folder, named after itself: the stub's adapter.
+        adapter: Some(dir.join(ADAPTER).display().to_string().parse().unwrap()),
         max_tokens: 16,
         stub: true,
     };

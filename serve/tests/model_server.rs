@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use askgui_data::convert::base64_encode;
-use askgui_serve::config::{parse_adapter, Config};
+use askgui_serve::config::{AdapterArg, Config};
 use askgui_serve::model_backend::{ModelBackend, ModelBackendConfig};
 use askgui_serve::server::{start, ServerHandle};
 use serde_json::{json, Value};
@@ -29,7 +29,7 @@ fn server() -> ServerHandle {
     let adapter = format!("grad={}", fixtures().join("lora/grad/adapter").display());
     let mut cfg = Config::for_model(ckpt.clone());
     cfg.port = 0;
-    cfg.adapters = vec![parse_adapter(&adapter).expect("adapter flag")];
+    cfg.adapters = vec![adapter.parse::<AdapterArg>().expect("adapter flag")];
     let backend_cfg = ModelBackendConfig::from(&cfg);
     let factory = Box::new(move || {
         let b: Box<dyn askgui_serve::backend::Backend> = Box::new(ModelBackend::load(&backend_cfg)?);

@@ -1,7 +1,8 @@
 //! The playground page at `/`, used the way a person uses it, in a real headless chromium driven over
 //! WebDriver (`playground/webdriver.rs`): a whole ASK/SAY session on the tiny random Qwen2.5-VL checkpoint
 //! (an uploaded screenshot, a task, the agent's question, a free-text answer, the next action drawn),
-//! and on the stub backend a synthetic screen, option buttons and an API error shown on the page. What the
+//! and on the stub backend a synthetic screen, option buttons, an API error shown on the page, and the
+//! adapter picker (its default, its pause threshold, and the adapter the requests carry). What the
 //! user sees is read from the DOM and the overlay canvas's pixels, and each stage is saved as a PNG under
 //! the target's tmp folder (`playground/`), printed with `--nocapture`.
 //!
@@ -123,6 +124,12 @@ fn a_whole_ask_say_session_through_the_page_on_the_tiny_model() {
 
     b.goto(&server.url("/"));
     b.wait_for("return document.getElementById('health').innerText.includes('tiny-qwen2_5_vl')", UI_WAIT, "/health");
+    // No adapter: the base model is the only choice, and it has no calibrated pause level.
+    assert_eq!(b.exec("return document.getElementById('adapter').value", json!([])), json!(""));
+    assert_eq!(
+        b.text("#adapter-info"),
+        "the base model: no calibrated pause threshold (the model decides when to ask)"
+    );
     b.screenshot(&dir.join("1-loaded.png"));
     b.upload("#file", &upload_file(&dir));
     let info = b.wait_for("return document.getElementById('screen-info').innerText", UI_WAIT, "the upload");
@@ -195,10 +202,13 @@ fn check_next_action(b: &Browser, server: &ServerHandle, paint: &Value, task: &s
 #[test]
 fn a_synthetic_screen_option_buttons_and_errors_on_the_stub() {
     let Some(b) = browser_or_skip("the stub session") else { return };
-    let (server, _) = common::serve();
+    let (server, log) = common::serve();
     let dir = shots_dir("stub");
     b.goto(&server.url("/"));
     b.wait_for("return document.getElementById('health').innerText.includes('stub-model')", UI_WAIT, "/health");
+    // The server's only adapter is chosen.
+    let chosen = "return document.getElementById('adapter').value";
+    assert_eq!(b.wait_for(chosen, UI_WAIT, "the adapter picker"), json!(common::ADAPTER));
 
     // A step with no screen is refused on the page, before any request.
     b.click("#step");
@@ -224,6 +234,8 @@ fn a_synthetic_screen_option_buttons_and_errors_on_the_stub() {
     b.click("#step");
     b.wait_for("return !document.getElementById('ask').hidden", UI_WAIT, "the stub's question");
     assert_eq!(b.text("#question"), "Which one do you mean?");
+    let adapters: Vec<_> = log.step_requests().into_iter().map(|r| r.adapter).collect();
+    assert_eq!(adapters, [Some(common::ADAPTER.to_string())], "the step was answered with the only adapter");
     assert!(
         b.text("#error").is_empty()
             || b.exec("return document.getElementById('error').hidden", json!([])) == json!(true)
@@ -264,6 +276,58 @@ fn a_synthetic_screen_option_buttons_and_errors_on_the_stub() {
     let err = err.as_str().unwrap();
     assert!(err.starts_with("404: no session") && err.ends_with("; the next step starts a new session"), "{err}");
     b.screenshot(&dir.join("3-error.png"));
+}
+
+/// Two adapters, one calibrated: the first is chosen, each choice shows its pause level, and the session
+/// that follows a choice is answered with that adapter (or with none, for the base model).
+#[test]
+fn the_adapter_picker_chooses_the_adapter_of_every_request() {
+    use askgui_serve::backend::PauseLevels;
+    use askgui_serve::stub::{StubBackend, StubLog};
+    let Some(b) = browser_or_skip("the adapter picker") else { return };
+    let log = std::sync::Arc::new(StubLog::default());
+    let for_backend = log.clone();
+    let factory: askgui_serve::BackendFactory = Box::new(move || {
+        let pauses = PauseLevels { base: None, adapters: vec![("ask".into(), 0.75)] };
+        let stub = StubBackend::with_log(common::MODEL, &["navi-lora", "ask"], for_backend).with_pause_levels(pauses);
+        Ok(Box::new(stub) as _)
+    });
+    let server = askgui_serve::start(common::config(), factory).expect("the server starts");
+    common::wait_ready(&server);
+    let dir = shots_dir("adapters");
+    b.goto(&server.url("/"));
+    let chosen = "return document.getElementById('adapter').value";
+    assert_eq!(b.wait_for(chosen, UI_WAIT, "the adapter picker"), json!("navi-lora"), "the first adapter");
+    let offered = b.exec("return [...document.querySelectorAll('#adapter option')].map((o) => o.value)", json!([]));
+    assert_eq!(offered, json!(["navi-lora", "ask", ""]), "the server's adapters, then the base model");
+    assert_eq!(
+        b.text("#adapter-info"),
+        "adapter navi-lora: no calibrated pause threshold (the model decides when to ask)"
+    );
+
+    // Picking `ask` shows its calibrated level; a step is then answered with `ask`.
+    b.click("#adapter option[value='ask']");
+    b.wait_for("return document.getElementById('adapter-info').innerText.includes('0.75')", UI_WAIT, "ask's level");
+    assert_eq!(b.text("#adapter-info"), "adapter ask: pause threshold 0.75 (asks when p(ask) >= 0.75)");
+    b.click("#synthetic option[value='1']");
+    b.wait_for("return document.getElementById('screen-info').innerText.includes('elements')", UI_WAIT, "the screen");
+    b.fill("#task", "Open the settings");
+    b.click("#step");
+    wait_drawn(&b, 1, "the step with `ask`");
+    b.screenshot(&dir.join("1-adapter-ask.png"));
+    assert!(b.text("#meta").starts_with("adapter ask, "), "{}", b.text("#meta"));
+    let id = b.exec("return window.playground.state.session", json!([]));
+    let session = common::get(&server.url(&format!("/v1/sessions/{}", id.as_str().unwrap()))).json();
+    assert_eq!(session["adapter"], json!("ask"), "the session was created with the adapter picked");
+
+    // The base model: a new session, without an adapter.
+    b.click("#adapter option[value='']");
+    b.wait_for("return window.playground.state.session === null", UI_WAIT, "the new session");
+    b.click("#step");
+    wait_drawn(&b, 2, "the step without an adapter");
+    let adapters: Vec<_> = log.step_requests().into_iter().map(|r| r.adapter).collect();
+    assert_eq!(adapters, [Some("ask".to_string()), None], "what each step was answered with");
+    assert_eq!(history(&b), ["task: Open the settings", "agent: click (180, 320)"], "the history starts over");
 }
 
 /// An action naming an element gets the element's box drawn (no backend names elements yet).

@@ -689,6 +689,9 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     Ok(report)
 }
 
+/// Where askgui-serve's playground page is with its default `--host` and `--port`.
+pub const PLAYGROUND_URL: &str = "http://127.0.0.1:8000/";
+
 /// How to serve the demo's LoRA+ASK agent (the model was trained with the compact system prompt).
 pub fn serve_command(r: &DemoReport) -> String {
     format!(
@@ -796,7 +799,8 @@ pub fn markdown(r: &DemoReport) -> String {
     let _ = writeln!(
         s,
         "\nServe the LoRA+ASK agent (requests pick the adapter `ask`; its askgui.json holds the calibrated \
-         pause threshold):\n\n    {}",
+         pause threshold):\n\n    {}\n\nthen open {PLAYGROUND_URL} and pick a synthetic screen: the playground \
+         answers with `ask`, the server's only adapter.",
         serve_command(r)
     );
     s

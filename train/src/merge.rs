@@ -57,8 +57,9 @@ pub struct MergeArgs {
     /// The base checkpoint folder or hub id the adapter was trained on.
     #[arg(long)]
     pub model: String,
-    /// The PEFT adapter folder (adapter_config.json + adapter_model.safetensors), e.g. a training checkpoint.
-    #[arg(long)]
+    /// The PEFT adapter folder (adapter_config.json + adapter_model.safetensors), e.g. a training checkpoint:
+    /// DIR, or NAME=DIR as askgui-serve takes it.
+    #[arg(long, value_parser = askgui_data::AdapterArg::dir_of)]
     pub adapter: PathBuf,
     /// The folder to write (must not exist, or be empty).
     #[arg(long)]

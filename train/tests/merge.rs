@@ -120,4 +120,8 @@ fn bad_input_is_refused_with_what_to_fix() {
     let (m, a, o) = (base().display().to_string(), adapter().display().to_string(), empty.display().to_string());
     run_cli(["merge", "--model", &m, "--adapter", &a, "--out", &o]).unwrap();
     assert!(empty.join("model.safetensors").is_file());
+    // askgui-serve's NAME=DIR is taken too; the name is not needed to merge.
+    let named =
+        <MergeArgs as clap::Parser>::try_parse_from(["merge", "--model", "m", "--adapter", "ask=a/x", "--out", "o"]);
+    assert_eq!(named.unwrap().adapter, PathBuf::from("a/x"));
 }

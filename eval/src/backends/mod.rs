@@ -35,8 +35,8 @@ pub struct BackendArgs {
     /// In-process: a Qwen2.5-VL / Qwen2-VL checkpoint directory or hub id (runs on --device).
     #[arg(long)]
     pub model: Option<String>,
-    /// A LoRA adapter directory (PEFT format) applied to --model.
-    #[arg(long)]
+    /// A LoRA adapter (PEFT format) applied to --model: DIR, or NAME=DIR as askgui-serve takes it.
+    #[arg(long, value_parser = askgui_data::AdapterArg::dir_of)]
     pub adapter: Option<PathBuf>,
     /// An OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 (requests go to {base}/chat/completions).
     #[arg(long)]

@@ -12,29 +12,10 @@ use crate::backend::{
 };
 use crate::batcher::Client;
 
-/// What the job threads share: the runtime, what the backend serves, and the calibrated pause levels.
+/// What the job threads share: the runtime and what the backend serves (its pause levels included).
 pub(super) struct Jobs {
     pub(super) runtime: Runtime,
     pub(super) info: BackendInfo,
-    pub(super) pauses: PauseLevels,
-}
-
-/// The calibrated pause thresholds of the askgui.json cards: the model folder's for the base model,
-/// each adapter's for requests that name it. A request's own `options.pause_threshold` wins.
-#[derive(Debug, Clone, Default)]
-pub struct PauseLevels {
-    pub base: Option<f64>,
-    pub adapters: Vec<(String, f64)>,
-}
-
-impl PauseLevels {
-    /// The default threshold of requests answered with `adapter` (None: the base model).
-    pub fn of(&self, adapter: Option<&str>) -> Option<f64> {
-        match adapter {
-            None => self.base,
-            Some(name) => self.adapters.iter().find(|(n, _)| n == name).map(|(_, t)| *t),
-        }
-    }
 }
 
 /// The runtime's step for an agent-API request: its one screenshot (or none, with `observation.screen`
@@ -73,7 +54,7 @@ impl Jobs {
         cancelled: &dyn Fn() -> bool,
     ) -> Result<AgentStepResponse, BackendError> {
         let mut options = job.request.options.clone();
-        options.pause_threshold = options.pause_threshold.or(self.pauses.of(adapter));
+        options.pause_threshold = options.pause_threshold.or(self.info.pauses.of(adapter));
         let out = self.runtime.step(client, &runtime_step(job), &options, cancelled)?;
         Ok(out.into_response()?)
     }
