@@ -79,7 +79,7 @@ fn the_adapter_card_is_the_default_and_a_different_flag_wins_with_a_warning() {
     assert!(logged.contains("max-pixels = 12544"), "{logged}");
     let (flagged, logged) = load(&["--model", TINY, "--adapter", adapter, "--system-prompt", "full"]);
     assert_eq!(flagged.prompt.system_prompt, Some(SystemPrompt::Full));
-    assert!(logged.contains("--system-prompt Full") && logged.contains("system-prompt = Compact"), "{logged}");
+    assert!(logged.contains("--system-prompt full") && logged.contains("system-prompt = compact"), "{logged}");
 }
 
 /// `askgui-eval calibrate`'s pause level in the card is the agent's default `pause_threshold`; the flag

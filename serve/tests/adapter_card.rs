@@ -97,7 +97,7 @@ fn the_adapters_card_sets_the_frame_and_the_system_prompt() {
     let flagged = flagged.unwrap();
     assert_eq!((area(&flagged), text_tokens(&flagged)), (area(&plain), text_tokens(&plain)));
     assert!(logged.contains("--max-pixels 1003520") && logged.contains("max-pixels = 12544"), "{logged}");
-    assert!(logged.contains("--system-prompt Full") && logged.contains("system-prompt = Compact"), "{logged}");
+    assert!(logged.contains("--system-prompt full") && logged.contains("system-prompt = compact"), "{logged}");
 }
 
 #[test]
