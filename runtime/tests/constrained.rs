@@ -251,3 +251,31 @@ fn random_screens_elements_and_targets_always_validate() {
         }
     }
 }
+
+/// Qwen3-VL, with nothing naming a frame, reads and writes relative 0-1000 coordinates
+/// (`askgui_runtime::native_frame`), and the constrained answer's point comes back in screen pixels by
+/// the frame contract: pixel centres scale, `(v + 0.5) * extent / 1000 - 0.5` rounded, so (500, 250) on a
+/// 224x400 screen is (round(111.612), round(99.7)) = (112, 100). A point past the frame is cut at 999.
+#[test]
+fn qwen3_vl_answers_in_its_native_0_1000_frame_and_the_runtime_returns_screen_pixels() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen3_vl");
+    let model = Qwen2Vl::load(&dir.display().to_string(), &Device::Cpu, DType::F32).unwrap();
+    let frame = askgui_runtime::native_frame(model.arch());
+    assert_eq!(frame, askgui_data::FrameKind::Relative1000);
+    let flags = askgui_data::PromptFlags::default();
+    let rt = Runtime::new(&model, flags.config_in(frame)).unwrap().with_prefix_cache(0);
+    let vocab = model.cfg.text.vocab_size as u32;
+    let texts: Vec<String> = (0..vocab).map(|t| rt.tokenizer().decode(&[t], false).unwrap_or_default()).collect();
+    let shots = [screenshot(224, 400)];
+    let step =
+        Step { task: "Buy oat milk", history: &[], screenshots: &shots, elements: None, screen: Some((224, 400)) };
+    let opts = StepOptions::default();
+    let out = rt.step(&Steer::new(&texts, r#"{"action":"click","x":500,"y":250}"#), &step, &opts, &|| false).unwrap();
+    assert_eq!(out.frame.model, (1000, 1000), "{}", out.raw);
+    let (screen, model_frame) = out.parsed.unwrap_or_else(|e| panic!("{e}: {}", out.raw));
+    assert_eq!(model_frame, parse_answer(r#"{"action":"click","x":500,"y":250}"#).unwrap().action);
+    assert_eq!(screen, parse_answer(r#"{"action":"click","x":112,"y":100}"#).unwrap().action);
+    let out = rt.step(&Steer::new(&texts, r#"{"action":"click","x":1500,"y":20}"#), &step, &opts, &|| false).unwrap();
+    let (_, model_frame) = out.parsed.unwrap_or_else(|e| panic!("{e}: {}", out.raw));
+    assert!(model_frame.points().iter().all(|&(x, y)| x < 1000 && y < 1000), "{}", out.raw);
+}
