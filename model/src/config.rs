@@ -349,67 +349,64 @@ fn usize_list(v: &Obj, key: &str, default: &[usize]) -> Vec<usize> {
     }
 }
 
-/// Qwen2-VL's vision fields: `embed_dim` wide, `mlp_ratio`, the text width as `hidden_size`.
-fn qwen2_vision(v: &Obj) -> Result<VisionConfig> {
-    let embed = v.usize("embed_dim")?;
+/// The vision fields every family reads alike, with a family's patch size and activation defaults; no
+/// windows, no position table, no DeepStack (the families that have them set them over this).
+fn vision_common(v: &Obj, patch: usize, act: &str) -> Result<VisionConfig> {
     Ok(VisionConfig {
         depth: v.usize("depth")?,
-        hidden_size: embed,
-        intermediate_size: embed * v.usize_or("mlp_ratio", 4)?,
+        hidden_size: v.usize_or("hidden_size", 0)?,
+        intermediate_size: v.usize_or("intermediate_size", 0)?,
         num_heads: v.usize("num_heads")?,
-        out_hidden_size: v.usize("hidden_size")?,
-        patch_size: v.usize_or("patch_size", 14)?,
+        out_hidden_size: v.usize_or("out_hidden_size", 0)?,
+        patch_size: v.usize_or("patch_size", patch)?,
         spatial_merge_size: v.usize_or("spatial_merge_size", 2)?,
         temporal_patch_size: v.usize_or("temporal_patch_size", 2)?,
         in_channels: v.usize_or("in_channels", 3)?,
-        hidden_act: vision_act(v, "quick_gelu")?,
+        hidden_act: vision_act(v, act)?,
         window_size: None,
         fullatt_block_indexes: vec![],
         rope_theta: vision_rope_theta(v),
         num_position_embeddings: None,
         deepstack_visual_indexes: vec![],
+    })
+}
+
+/// Qwen2-VL's vision fields: `embed_dim` wide, `mlp_ratio`, the text width as `hidden_size`.
+fn qwen2_vision(v: &Obj) -> Result<VisionConfig> {
+    let embed = v.usize("embed_dim")?;
+    Ok(VisionConfig {
+        hidden_size: embed,
+        intermediate_size: embed * v.usize_or("mlp_ratio", 4)?,
+        out_hidden_size: v.usize("hidden_size")?,
+        ..vision_common(v, 14, "quick_gelu")?
+    })
+}
+
+/// The widths Qwen2.5-VL and Qwen3-VL name alike, required.
+fn vision_widths(v: &Obj, patch: usize, act: &str) -> Result<VisionConfig> {
+    Ok(VisionConfig {
+        hidden_size: v.usize("hidden_size")?,
+        intermediate_size: v.usize("intermediate_size")?,
+        out_hidden_size: v.usize("out_hidden_size")?,
+        ..vision_common(v, patch, act)?
     })
 }
 
 /// Qwen2.5-VL's vision fields: windows of `window_size` pixels, full attention in the listed blocks.
 fn qwen25_vision(v: &Obj) -> Result<VisionConfig> {
     Ok(VisionConfig {
-        depth: v.usize("depth")?,
-        hidden_size: v.usize("hidden_size")?,
-        intermediate_size: v.usize("intermediate_size")?,
-        num_heads: v.usize("num_heads")?,
-        out_hidden_size: v.usize("out_hidden_size")?,
-        patch_size: v.usize_or("patch_size", 14)?,
-        spatial_merge_size: v.usize_or("spatial_merge_size", 2)?,
-        temporal_patch_size: v.usize_or("temporal_patch_size", 2)?,
-        in_channels: v.usize_or("in_channels", 3)?,
-        hidden_act: vision_act(v, "silu")?,
         window_size: Some(v.usize_or("window_size", 112)?),
         fullatt_block_indexes: usize_list(v, "fullatt_block_indexes", &[7, 15, 23, 31]),
-        rope_theta: vision_rope_theta(v),
-        num_position_embeddings: None,
-        deepstack_visual_indexes: vec![],
+        ..vision_widths(v, 14, "silu")?
     })
 }
 
 /// Qwen3-VL's vision fields: 16-px patches, a learned position table, DeepStack blocks, no windows.
 fn qwen3_vision(v: &Obj) -> Result<VisionConfig> {
     Ok(VisionConfig {
-        depth: v.usize("depth")?,
-        hidden_size: v.usize("hidden_size")?,
-        intermediate_size: v.usize("intermediate_size")?,
-        num_heads: v.usize("num_heads")?,
-        out_hidden_size: v.usize("out_hidden_size")?,
-        patch_size: v.usize_or("patch_size", 16)?,
-        spatial_merge_size: v.usize_or("spatial_merge_size", 2)?,
-        temporal_patch_size: v.usize_or("temporal_patch_size", 2)?,
-        in_channels: v.usize_or("in_channels", 3)?,
-        hidden_act: vision_act(v, "gelu_pytorch_tanh")?,
-        window_size: None,
-        fullatt_block_indexes: vec![],
-        rope_theta: vision_rope_theta(v),
         num_position_embeddings: Some(v.usize_or("num_position_embeddings", 2304)?),
         deepstack_visual_indexes: usize_list(v, "deepstack_visual_indexes", &[8, 16, 24]),
+        ..vision_widths(v, 16, "gelu_pytorch_tanh")?
     })
 }
 

@@ -76,6 +76,14 @@ enum Mlp {
     Plain { fc1: Linear, fc2: Linear },
 }
 
+/// Row-aligned parts `(P, w_i)` as one `(P, sum w_i)`; a single part is returned as it is, not copied.
+fn side_by_side(mut parts: Vec<Tensor>) -> Result<Tensor> {
+    match parts.len() {
+        1 => Ok(parts.remove(0)),
+        _ => Ok(Tensor::cat(&parts, 1)?),
+    }
+}
+
 /// A patch merger: `norm`, then the 2x2 groups' rows side by side through `fc2(gelu(fc1(.)))`. The main
 /// merger normalises each patch row before the shuffle; a DeepStack merger the shuffled row
 /// (`post_shuffle`, Qwen3-VL's `use_postshuffle_norm`).
@@ -535,10 +543,7 @@ impl VisionTower {
         if self.cfg.deepstack_visual_indexes.contains(&i) {
             parts.push(y);
         }
-        Ok(match parts.len() {
-            1 => parts.remove(0),
-            _ => Tensor::cat(&parts, 1)?,
-        })
+        side_by_side(parts)
     }
 
     /// [`Self::block_rows`] over the hidden states `(rows, hidden)` alone.
@@ -592,10 +597,7 @@ impl VisionTower {
         for (j, m) in self.deepstack.iter().enumerate() {
             outs.push(m.forward(&x.narrow(1, hidden * (1 + j), hidden)?, unit, train, self.kernels)?);
         }
-        let mut out = match outs.len() {
-            1 => outs.remove(0),
-            _ => Tensor::cat(&outs, 1)?,
-        };
+        let mut out = side_by_side(outs)?;
         if self.cfg.window_size.is_some() {
             let window_index = &prep.layout.window_index;
             let mut inverse = vec![0u32; window_index.len()];
