@@ -530,6 +530,14 @@ impl Qwen2Vl {
                 false => ctx.frozen_linear(h, &self.lm_head)?,
             })
         };
+        // The mean cross-entropy of (N, H) rows through the head: fused in row chunks (no (N, V) logits),
+        // or the full logits and the reference cross-entropy under `--kernels reference`.
+        let head_loss = move |h: &Tensor, labels: &Tensor, ones: &Tensor| -> Result<Tensor> {
+            Ok(match ctx.reference() {
+                true => ctx.cross_entropy(&lm_head(h)?, labels, ones)?,
+                false => askgui_kernels::ops::linear_cross_entropy(h, &self.lm_head, labels, None)?,
+            })
+        };
         let region_at = match head {
             Head::Loss { region_layer, .. } => region_layer.clamp(1, self.text.depth()) - 1,
             Head::Logits => usize::MAX,
@@ -544,8 +552,7 @@ impl Qwen2Vl {
                     // (B, T, H) -> (B T, H) -> (K, H): the region rows, through the final norm and the head
                     // (DeepStack features still carried beside them left out).
                     let h = y.narrow(2, 0, self.cfg.text.hidden_size)?.reshape((b * t, ()))?.index_select(&rows, 0)?;
-                    let logits = lm_head(&self.text.final_norm(&h, Some(ctx))?)?;
-                    let side = (ctx.cross_entropy(&logits, &labels, &ones)? * region_weight)?;
+                    let side = (head_loss(&self.text.final_norm(&h, Some(ctx))?, &labels, &ones)? * region_weight)?;
                     Ok((y, side))
                 })),
                 None => stages.push(Stage::new(has_params, move |x: &Tensor| {
@@ -558,10 +565,9 @@ impl Qwen2Vl {
             let h = x.reshape((b * t, ()))?;
             match head {
                 Head::Loss { .. } => {
-                    // (B T, H) -> (S, H) -> (S, V): the supervised rows alone.
+                    // (B T, H) -> (S, H): the supervised rows alone, through the head in chunks.
                     let (rows, labels, ones) = &sup;
-                    let logits = lm_head(&self.text.final_norm(&h.index_select(rows, 0)?, Some(ctx))?)?;
-                    Ok(ctx.cross_entropy(&logits, labels, ones)?)
+                    head_loss(&self.text.final_norm(&h.index_select(rows, 0)?, Some(ctx))?, labels, ones)
                 }
                 Head::Logits => Ok(lm_head(&self.text.final_norm(&h, Some(ctx))?)?),
             }

@@ -56,7 +56,7 @@ impl TrainCtx {
         Self { row0: start, memo: self.memo.clone(), ..*self }
     }
 
-    fn reference(&self) -> bool {
+    pub(crate) fn reference(&self) -> bool {
         self.kernels == KernelChoice::Reference
     }
 

@@ -134,7 +134,7 @@ fn ce_bwd<T: WithDType>(logits: &[T], labels: &[u32], mask: &[T], v: usize, scal
 }
 
 /// Forward (`backward == None`) or backward kernel (`Some(grad)`) over `(logits, labels, mask)`.
-struct CrossEntropyMasked {
+pub(super) struct CrossEntropyMasked {
     backward: Option<f64>,
     /// CUDA: the forward's per-row logsumexp and supervised count, handed to the backward op (taken, so a
     /// second backward through the same graph recomputes them).
@@ -143,7 +143,7 @@ struct CrossEntropyMasked {
 }
 
 impl CrossEntropyMasked {
-    fn new(backward: Option<f64>) -> Self {
+    pub(super) fn new(backward: Option<f64>) -> Self {
         Self {
             backward,
             #[cfg(feature = "cuda")]
@@ -162,7 +162,7 @@ impl CrossEntropyMasked {
     }
 
     /// The backward op for upstream gradient `g`, with what this forward saved (CUDA).
-    fn backward_op(&self, g: f64) -> Self {
+    pub(super) fn backward_op(&self, g: f64) -> Self {
         #[allow(unused_mut)]
         let mut op = Self::new(Some(g));
         #[cfg(feature = "cuda")]

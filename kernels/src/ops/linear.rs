@@ -99,14 +99,22 @@ impl CustomOp2 for FrozenLinear {
         if !x.track_op() {
             return Ok((None, None));
         }
-        // (N, out) @ (out, in) -> (N, in). Detached operands: this product must not itself grow a graph.
-        let (grad, w) = (grad.detach().contiguous()?, w.detach().contiguous()?);
-        let dx = match grad.device().is_cpu() {
-            true => grad.apply_op2_no_bwd(&w, &FrozenLinearGrad)?,
-            false => grad.reshape(((), grad.dim(D::Minus1)?))?.matmul(&w)?.reshape(x.shape())?,
-        };
-        Ok((Some(dx), None))
+        Ok((Some(input_grad(grad, w)?), None))
     }
+}
+
+/// `dx (.., in) = grad (.., out) @ w (out, in)`, the input gradient of `x w^T`: the CPU GEMM (bf16 too) or
+/// candle's matmul. Detached operands: this product must not itself grow a graph.
+pub(super) fn input_grad(grad: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (grad, w) = (grad.detach().contiguous()?, w.detach().contiguous()?);
+    if grad.device().is_cpu() {
+        return grad.apply_op2_no_bwd(&w, &FrozenLinearGrad);
+    }
+    let mut dims = grad.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = w.dim(1)?;
+    }
+    grad.reshape(((), grad.dim(D::Minus1)?))?.matmul(&w)?.reshape(dims)
 }
 
 /// The CPU backward of [`FrozenLinear`]: `dx (.., in) = grad (.., out) @ w (out, in)`, the forward's GEMM

@@ -13,6 +13,8 @@
 //! - [`linear`]: [`frozen_linear`] (`x w^T`, gradient for `x` only).
 //! - [`narrow`]: bf16 and int8 frozen weights read panel by panel ([`int8_linear`], inference only).
 //! - [`cross_entropy`]: [`cross_entropy_masked`] (mean NLL over supervised positions).
+//! - [`linear_cross_entropy`](mod@linear_cross_entropy): [`linear_cross_entropy()`](fn@linear_cross_entropy)
+//!   (the LM head and the cross-entropy in row chunks, no `(N, V)` logits).
 //! - [`dropout`](mod@dropout): [`dropout()`](fn@dropout) (inverted dropout, its mask hashed inside the op).
 //! - [`attention`](mod@attention): [`attention()`](fn@attention) (streaming FlashAttention-2 softmax, GQA, masks).
 //! - [`rope`](mod@rope): [`rope()`] (rotate-half RoPE, M-RoPE and vision tables; gradient for `x` only).
@@ -33,6 +35,7 @@ mod gemm;
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub mod linear;
+pub mod linear_cross_entropy;
 pub mod narrow;
 pub mod norm;
 pub mod paged_attention;
@@ -43,6 +46,7 @@ pub use attention::{attention, attention_replay, attention_saving, AttentionSave
 pub use cross_entropy::{cross_entropy_masked, cross_entropy_masked_reference};
 pub use dropout::dropout;
 pub use linear::{frozen_linear, frozen_linear_reference, linear_parts};
+pub use linear_cross_entropy::{linear_cross_entropy, linear_cross_entropy_reference};
 pub use narrow::{dequantize_int8, int8_linear, narrow_linear_reference, quantize_int8};
 pub use norm::{layer_norm, layer_norm_frozen, rms_norm, rms_norm_frozen};
 pub use paged_attention::{
