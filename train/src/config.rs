@@ -94,10 +94,16 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
     #[serde(default)]
     pub device: DeviceKind,
-    /// Weight dtype: `auto` is bf16 on a GPU and f32 on the CPU (--mode full always trains f32).
+    /// Weight dtype: `auto` is bf16 on a GPU and f32 on the CPU (--mode full: f32 on the CPU; bf16 on a GPU,
+    /// with f32 masters in the optimiser).
     #[arg(long, value_enum, default_value_t = DTypeChoice::Auto)]
     #[serde(default)]
     pub dtype: DTypeChoice,
+    /// On a CUDA GPU of sm_80 or newer, f32 GEMMs (the LoRA products) on TF32 tensor cores: inputs rounded
+    /// to 10 mantissa bits, f32 sums. `false` keeps full f32. No effect on the CPU.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    #[serde(default = "yes")]
+    pub tf32: bool,
     /// `reference` runs plain-candle ops instead of askgui's kernels (slower; for a GPU they fail on).
     #[arg(long, value_enum, default_value_t = KernelChoice::Askgui)]
     #[serde(default)]
@@ -188,6 +194,10 @@ fn one_usize() -> usize {
 
 fn one() -> u32 {
     1
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Args)]
@@ -508,8 +518,13 @@ impl TrainConfig {
             (Some(_), Some(_)) => return bad("--model and --init-config exclude each other".into()),
             _ => {}
         }
-        if self.model.mode == Mode::Full && self.model.dtype == DTypeChoice::Bf16 {
-            return bad("--mode full trains f32 weights (they are the trained parameters); drop --dtype bf16".into());
+        if self.model.mode == Mode::Full
+            && self.model.dtype == DTypeChoice::Bf16
+            && self.model.device == DeviceKind::Cpu
+        {
+            return bad("--mode full on the CPU trains f32 weights (the CPU has no bf16 backward); drop --dtype bf16 \
+                        or train on a GPU"
+                .into());
         }
         if self.model.init_tokenizer.is_some() && self.model.init_config.is_none() {
             return bad("--init-tokenizer goes with --init-config (a model from scratch)".into());

@@ -10,8 +10,11 @@
 //! m <- lerp(m, g, 1 - b1)            v <- b2 v + (1 - b2) g^2
 //! p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 //! ```
-//! The moments are kept in f32 whatever the parameters' dtype. As in torch, a parameter without a
-//! gradient this step is left alone (no decay, no moment update, its step count unchanged).
+//! The moments are kept in f32 whatever the parameters' dtype, and so is the parameter itself: a bf16
+//! parameter (full training on a GPU) gets an f32 master copy that takes the updates, and the bf16 weight
+//! is its rounding after each step, so that updates below a bf16 ulp still add up (mixed precision,
+//! Micikevicius et al. 2018). As in torch, a parameter without a gradient this step is left alone (no
+//! decay, no moment update, its step count unchanged).
 //!
 //! The schedule is transformers' `get_cosine_schedule_with_warmup` (with an optional floor, as its
 //! `cosine_with_min_lr`): the lr of optimiser step `i` (0-based) is `peak * i / warmup` during warmup,
@@ -47,6 +50,8 @@ struct Slot {
     /// First and second moments, f32, the parameter's shape.
     m: Tensor,
     v: Tensor,
+    /// The f32 master of a parameter kept in another dtype (bf16): the updates go here.
+    master: Option<Tensor>,
     /// Updates applied to this parameter.
     step: u64,
 }
@@ -66,7 +71,8 @@ impl AdamW {
                 return Err(TrainError::Data(format!("parameter `{name}` is given twice to the optimiser")));
             }
             let m = Tensor::zeros(var.shape(), DType::F32, var.device())?;
-            slots.push(Slot { name, v: m.clone(), m, var, step: 0 });
+            let master = (var.dtype() != DType::F32).then(|| var.as_tensor().to_dtype(DType::F32)).transpose()?;
+            slots.push(Slot { name, v: m.clone(), m, master, var, step: 0 });
         }
         Ok(Self { params, slots })
     }
@@ -107,7 +113,10 @@ impl AdamW {
             let Some(g) = g else { continue };
             s.step += 1;
             let g = g.to_dtype(DType::F32)?;
-            let p = s.var.as_tensor().to_dtype(DType::F32)?;
+            let p = match &s.master {
+                Some(master) => master.clone(),
+                None => s.var.as_tensor().to_dtype(DType::F32)?,
+            };
             let p = if weight_decay != 0.0 { p.affine(1.0 - lr * weight_decay, 0.0)? } else { p };
             // lerp(m, g, 1 - b1) = m + (1 - b1) (g - m), as torch's `exp_avg.lerp_`.
             s.m = (&s.m + ((&g - &s.m)? * (1.0 - beta1))?)?;
@@ -117,17 +126,24 @@ impl AdamW {
             let denom = ((s.v.sqrt()? / bc2_sqrt)? + eps)?;
             let p = (p - ((&s.m / denom)? * (lr / bc1))?)?;
             s.var.set(&p.to_dtype(s.var.dtype())?)?;
+            if s.master.is_some() {
+                s.master = Some(p);
+            }
         }
         Ok(())
     }
 
-    /// Writes the state (`<name>.exp_avg`, `<name>.exp_avg_sq`, `<name>.step`) as safetensors.
+    /// Writes the state (`<name>.exp_avg`, `<name>.exp_avg_sq`, `<name>.step`, and `<name>.master` for a
+    /// parameter with an f32 master) as safetensors.
     pub fn save(&self, path: &Path) -> Result<()> {
         let mut t = HashMap::new();
         for s in &self.slots {
             t.insert(format!("{}.exp_avg", s.name), s.m.to_device(&Device::Cpu)?);
             t.insert(format!("{}.exp_avg_sq", s.name), s.v.to_device(&Device::Cpu)?);
             t.insert(format!("{}.step", s.name), Tensor::new(&[s.step as i64], &Device::Cpu)?);
+            if let Some(master) = &s.master {
+                t.insert(format!("{}.master", s.name), master.to_device(&Device::Cpu)?);
+            }
         }
         candle_core::safetensors::save(&t, path)
             .map_err(|e| TrainError::Checkpoint { path: path.into(), reason: format!("cannot write: {e}") })
@@ -137,8 +153,13 @@ impl AdamW {
     pub fn load(&mut self, path: &Path) -> Result<()> {
         let err = |reason: String| TrainError::Checkpoint { path: path.into(), reason };
         let t = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| err(format!("cannot read: {e}")))?;
-        if t.len() != 3 * self.slots.len() {
-            return Err(err(format!("{} tensors for {} parameters (3 each)", t.len(), self.slots.len())));
+        let want = 3 * self.slots.len() + self.slots.iter().filter(|s| s.master.is_some()).count();
+        if t.len() != want {
+            return Err(err(format!(
+                "{} tensors for {} parameters (3 each, and an f32 master for each of another dtype): {want} expected",
+                t.len(),
+                self.slots.len()
+            )));
         }
         for s in &mut self.slots {
             let get = |k: &str| t.get(&format!("{}.{k}", s.name)).ok_or_else(|| err(format!("no `{}.{k}`", s.name)));
@@ -155,6 +176,9 @@ impl AdamW {
             s.m = m.to_dtype(DType::F32)?.to_device(dev)?;
             s.v = v.to_dtype(DType::F32)?.to_device(dev)?;
             s.step = get("step")?.to_vec1::<i64>()?.first().copied().unwrap_or(0) as u64;
+            if s.master.is_some() {
+                s.master = Some(get("master")?.to_dtype(DType::F32)?.to_device(dev)?);
+            }
         }
         Ok(())
     }
@@ -181,14 +205,21 @@ impl Schedule {
     }
 }
 
-/// The global L2 norm of all gradients (computed in f64 from per-tensor f32 sums of squares), and, when
+/// The global L2 norm of all gradients (per-tensor f32 sums of squares, added in f64), and, when
 /// `max_norm > 0` and the norm exceeds it, every gradient scaled by `max_norm / (norm + 1e-6)` as
-/// torch's `clip_grad_norm_` does. Returns the norm before clipping.
+/// torch's `clip_grad_norm_` does. Returns the norm before clipping. The sums stay on the gradients'
+/// device until the one read of their total: a single host sync per step, not one per tensor.
 pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64> {
-    let mut sq = 0f64;
-    for g in grads.iter().flatten() {
-        sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-    }
+    // (n_tensors) f64: each tensor's sum of squares, in f32 as before, widened for the total.
+    let sums = grads
+        .iter()
+        .flatten()
+        .map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_dtype(DType::F64)?.reshape(1))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let sq = match sums.is_empty() {
+        true => 0.0,
+        false => Tensor::cat(&sums, 0)?.sum_all()?.to_scalar::<f64>()?,
+    };
     let norm = sq.sqrt();
     if max_norm > 0.0 && norm.is_finite() {
         let coef = max_norm / (norm + 1e-6);
@@ -263,6 +294,43 @@ mod tests {
         assert_eq!(values(&y), [1.0]);
         assert!(values(&x)[0] < 1.0);
         assert_eq!(opt.slots[1].step, 0);
+    }
+
+    /// A bf16 parameter follows the f32 run through its master: the master is the f32 run's parameter
+    /// bitwise (the same f32 arithmetic on the same values), and the weight is its bf16 rounding. The
+    /// updates (about lr = 1e-4 each) are far below half a bf16 ulp at 1.0 (2^-8), so a weight updated
+    /// in bf16 itself would never move.
+    #[test]
+    fn a_bf16_parameter_keeps_an_f32_master() {
+        let p = AdamWParams::default();
+        let init = Tensor::new(&[1.0f32, -0.5, 2.0], &Device::Cpu).unwrap();
+        let (f32_var, bf16_var) =
+            (Var::from_tensor(&init).unwrap(), Var::from_tensor(&init.to_dtype(DType::BF16).unwrap()).unwrap());
+        let mut a = AdamW::new(vec![("w".into(), f32_var.clone())], p).unwrap();
+        let mut b = AdamW::new(vec![("w".into(), bf16_var.clone())], p).unwrap();
+        let g = Tensor::new(&[0.3f32, -0.2, 0.1], &Device::Cpu).unwrap();
+        for _ in 0..100 {
+            a.step(&[Some(g.clone())], 1e-4).unwrap();
+            b.step(&[Some(g.to_dtype(DType::BF16).unwrap())], 1e-4).unwrap();
+        }
+        let master = b.slots[0].master.as_ref().unwrap().to_vec1::<f32>().unwrap();
+        // g is not bf16-exact: the bf16 run's gradient differs, but Adam's update is nearly sign(g) lr.
+        let ours: Vec<f32> = f32_var.as_tensor().to_vec1().unwrap();
+        for (m, w) in master.iter().zip(&ours) {
+            assert!((m - w).abs() < 1e-6, "master {m} vs f32 run {w}");
+        }
+        assert!((master[0] - (1.0 - 100.0 * 1e-4 * (1.0 + 1e-2))).abs() < 1e-4, "moved by the steps: {master:?}");
+        let weight = bf16_var.as_tensor().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        let rounded = b.slots[0].master.as_ref().unwrap().to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        assert_eq!(weight, rounded.to_vec1::<f32>().unwrap(), "the weight is the master's rounding");
+        assert_ne!(weight[0], 1.0, "a hundred updates of 1e-4 moved the bf16 weight");
+        // The master travels with the saved state.
+        let path = std::env::temp_dir().join(format!("askgui-train-master-{}.safetensors", std::process::id()));
+        b.save(&path).unwrap();
+        let mut c = AdamW::new(vec![("w".into(), bf16_var.clone())], p).unwrap();
+        c.load(&path).unwrap();
+        assert_eq!(c.slots[0].master.as_ref().unwrap().to_vec1::<f32>().unwrap(), master);
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

@@ -137,12 +137,22 @@ fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device)
 }
 
 /// The device and weight dtype of `--device` and `--dtype`, chosen once and logged: by default the CPU
-/// trains in f32, a CUDA GPU in bf16 (trainable adapters keep f32 masters, `askgui_model::master_dtype`).
-/// Full training stays f32: its base weights are the trained parameters.
+/// trains in f32, a CUDA GPU in bf16 (trainable adapters keep f32 masters, `askgui_model::master_dtype`;
+/// in full training the optimiser keeps an f32 master of every bf16 weight, [`crate::optim::AdamW`]).
+/// Full training on the CPU stays f32 (candle's CPU matmul has no bf16 backward).
 /// A rank of a data-parallel run takes its own GPU (`ordinal`, [`World::gpu_ordinal`]).
 fn pick_device(m: &ModelArgs, ordinal: usize) -> Result<(Device, DType)> {
     let (device, dtype) = m.device.pick_on(m.dtype, ordinal)?;
-    let dtype = if m.mode == Mode::Full { DType::F32 } else { dtype };
+    if m.mode == Mode::Full && device.is_cpu() && dtype == DType::BF16 {
+        return Err(TrainError::Config(
+            "--mode full on the CPU trains f32 weights (the CPU has no bf16 backward); drop --dtype bf16".into(),
+        ));
+    }
+    // TF32 for the f32 GEMMs: process-wide in candle, and a no-op without a CUDA device.
+    if device.is_cuda() {
+        candle_core::cuda::set_gemm_reduced_precision_f32(m.tf32);
+        tracing::info!("f32 GEMMs on TF32 tensor cores: {} (--tf32)", m.tf32);
+    }
     tracing::info!("training on {device:?} with {dtype:?} weights");
     Ok((device, dtype))
 }
