@@ -223,6 +223,9 @@ if [ $check_gpu = 1 ]; then
   # The server too, for the CPU-against-GPU serving check (scripts/gpu/device_run.sh).
   build build -p askgui-serve --bin askgui-serve
   executables bins >>"$list"
+  # The data tool (no CUDA in it), to synthesise the training benchmark's 1080x2400 episodes there.
+  build build -p askgui-data --bin askgui-data
+  executables bins >>"$list"
   add bin
 fi
 

@@ -18,6 +18,7 @@ FlashAttention papers: forward 4*B*Hq*T*T*D (halved when causal), forward+backwa
 Configs (name: B, Hq, Hkv, T, D, causal):
   decoder-3b     1, 16,  2, 4096, 128, causal   text decoder, 4k context
   decoder-3b-1k  1, 16,  2, 1024, 128, causal   text decoder, a screenshot + prompt
+  decoder-3b-8k  1, 16,  2, 8192, 128, causal   text decoder, multi-screenshot samples
   vision-window 64, 16, 16,   64,  80, full     the vision tower's 64-token windows over 4096 patches,
                                                 as 64 batches (sdpa has no varlen / block-diagonal mask)
   vision-full    1, 16, 16, 4096,  80, full     a full-attention vision block over 4096 patches
@@ -77,6 +78,7 @@ def window_note(windows: int, window: int) -> str:
 CONFIGS = [
     AttnConfig("decoder-3b", 1, 16, 2, 4096, 128, True),
     AttnConfig("decoder-3b-1k", 1, 16, 2, 1024, 128, True),
+    AttnConfig("decoder-3b-8k", 1, 16, 2, 8192, 128, True),
     AttnConfig("vision-window", 64, 16, 16, 64, 80, False, window_note(64, 64)),
     AttnConfig("vision-full", 1, 16, 16, 4096, 80, False),
 ]
@@ -85,6 +87,7 @@ CONFIGS = [
 TINY_CONFIGS = [
     AttnConfig("decoder-3b", 1, 4, 2, 128, 128, True),
     AttnConfig("decoder-3b-1k", 1, 4, 2, 64, 128, True),
+    AttnConfig("decoder-3b-8k", 1, 4, 2, 256, 128, True),
     AttnConfig("vision-window", 4, 4, 4, 16, 80, False, window_note(4, 16)),
     AttnConfig("vision-full", 1, 4, 4, 64, 80, False),
 ]

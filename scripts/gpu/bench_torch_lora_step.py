@@ -73,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--alpha", type=float, default=128)
     ap.add_argument("--lora-dropout", type=float, default=0.05)
+    ap.add_argument("--liger", action="store_true",
+                    help="Liger-Kernel's Qwen2.5-VL patches first (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
@@ -144,8 +146,14 @@ def main() -> None:
     env = environment(device)
     torch.manual_seed(args.seed)
     name = f"qwen2.5-vl-{'tiny' if args.tiny else '3b'}-lora" + ("-no-gc" if args.no_gradient_checkpointing else "")
+    name += "-liger" if args.liger else ""
     rec = dict(bench="lora_step", name=name, **env)
     with guarded(rec):
+        if args.liger:
+            # Patches transformers' Qwen2.5-VL classes, so it must run before the model is built.
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
+
+            apply_liger_kernel_to_qwen2_5_vl()
         if args.load_checkpoint:
             model, build_s, how = rc.load(args.load_checkpoint, device, args.attn)
             inputs, sample = gs.load_sample(args.load_checkpoint, model, device)
@@ -211,6 +219,7 @@ def main() -> None:
             lora_rank=args.rank,
             lora_alpha=args.alpha,
             lora_dropout=args.lora_dropout,
+            liger=args.liger,
             lora_targets=LORA_TARGETS,
             lora_target_regex=LORA_TARGET_REGEX,
             lora_modules=n_modules,

@@ -66,10 +66,20 @@ def bench(args, device, fields, x, fn):
         y = fn(x)
         y.backward(torch.ones_like(y))
 
-    fields = dict(fields, impl="torch")
+    fields = {"impl": "torch", **fields}
     fields["fwd_ms"] = median_ms(device, args.warmup, args.iters, fwd)
     fields["fwd_bwd_ms"] = median_ms(device, args.warmup, args.iters, fwd_bwd)
     print(json.dumps(fields), flush=True)
+
+
+def liger_fused_linear_cross_entropy():
+    """Liger-Kernel's fused linear cross-entropy loss module, or None (with a note) where it cannot run."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except Exception as e:  # not installed, or no Triton / GPU
+        print(f"liger-kernel unavailable, its case is left out: {e!r}", file=sys.stderr)
+        return None
+    return LigerFusedLinearCrossEntropyLoss()
 
 
 def main():
@@ -86,11 +96,12 @@ def main():
     # Qwen2.5-VL-3B: decoder hidden 2048, 16 heads of 128, vocabulary 151936, MLP 11008; Qwen2-VL vision
     # tower LayerNorm over 1280; 4096 tokens (16384 patches for the vision tower).
     if args.tiny:
-        s = dict(rms=(64, 128), ln=(128, 80), rope=(1, 2, 64, 32), ce=(64, 1000), lin=(64, 128, 256))
+        s = dict(rms=(64, 128), ln=(128, 80), rope=(1, 2, 64, 32), ce=(64, 1000), lin=(64, 128, 256),
+                 lce=(64, 128, 1000))
         args.iters, args.warmup = min(args.iters, 3), min(args.warmup, 1)
     else:
         s = dict(rms=(4096, 2048), ln=(16384, 1280), rope=(1, 16, 4096, 128), ce=(4096, 151936),
-                 lin=(4096, 2048, 11008))
+                 lin=(4096, 2048, 11008), lce=(4096, 2048, 151936))
     failed = False
     for dt in args.dtypes.split(","):
         dtype = names[dt]
@@ -123,6 +134,17 @@ def main():
         x, w = t(rows, d_in, grad=True), t(d_out, d_in) / d_in**0.5
         cases.append((dict(bench="frozen_linear", dtype=dt, rows=rows, **{"in": d_in, "out": d_out}), x,
                       lambda x, w=w: F.linear(x, w)))
+        # The LM head and the loss over 4096 supervised rows: the full logits (upcast to f32 as transformers'
+        # loss does), and Liger-Kernel's fused linear cross-entropy where it is installed (impl "liger").
+        rows, hidden, vocab = s["lce"]
+        x, w = t(rows, hidden, grad=True), t(vocab, hidden) / hidden**0.5
+        labels = (torch.arange(rows, device=device) * 2654435761) % vocab
+        fields = dict(bench="linear_cross_entropy", dtype=dt, rows=rows, hidden=hidden, vocab=vocab)
+        cases.append((dict(fields, variant="unfused"), x,
+                      lambda x, w=w, l=labels: F.cross_entropy(F.linear(x, w).float(), l)))
+        flce = liger_fused_linear_cross_entropy()
+        if flce is not None:
+            cases.append((dict(fields, impl="liger", variant="fused"), x, lambda x, w=w, l=labels: flce(w, x, l)))
         for fields, x, fn in cases:
             try:
                 bench(args, device, fields, x, fn)

@@ -6,6 +6,12 @@
 #                                         # start, the server on the CPU against the GPU, the kernel
 #                                         # benchmarks beside PyTorch's
 #   scripts/gpu/device_run.sh OUT model   # ~5 min: the 3B-shaped LoRA step and generation, PyTorch then askgui
+#   scripts/gpu/device_run.sh OUT train   # ~9 min: the training path as a lab runs it (issue 48): check-gpu
+#                                         # and the CUDA tests; the 3B-shaped LoRA step with the default
+#                                         # settings (askgui-train on 1080x2400 episodes; PEFT; PEFT +
+#                                         # Liger, whose wheel travels in target/wheels); the ops (the fused
+#                                         # loss against Liger's), attention (1k, 4k, 8k and vision) and
+#                                         # tiling beside PyTorch
 #   scripts/gpu/device_run.sh OUT paged   # the paged KV cache: CUDA tests, the server, the decode step, the
 #                                         # 3B-shaped generation (OLD_GENERATE=NAME: also an older build's
 #                                         # generate example, put in the bundle's examples/ as NAME)
@@ -21,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: scripts/gpu/device_run.sh OUT check|model}
-stage=${2:?usage: scripts/gpu/device_run.sh OUT check|model}
+stage=${2:?usage: scripts/gpu/device_run.sh OUT check|model|train|paged}
 bundle=${BUNDLE:-target/gpu-bundle}
 data=target/gpu-data
 work=$(mktemp -d)/$stage
@@ -49,6 +55,20 @@ step() {
   failed=$((failed + 1))
   { grep -m3 -E '^Error|panicked|FAILED|Traceback' "$work/$name.log" || tail -4 "$work/$name.log"; } | sed 's/^/    /' |
     tee -a "$summary"
+}
+
+# gpu_peak FILE COMMAND...: runs COMMAND while sampling the GPU's used memory every 200 ms; the largest
+# sample (MiB, the whole GPU as nvidia-smi sees it) goes to FILE.
+gpu_peak() {
+  local file=$1 sampler rc
+  shift
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$file.samples" 2>/dev/null &
+  sampler=$!
+  "$@"
+  rc=$?
+  kill "$sampler" 2>/dev/null
+  sort -n "$file.samples" | tail -1 >"$file"
+  return $rc
 }
 
 [ -d "$bundle" ] || tar -C target -xJf "$bundle.tar.xz" || exit 1
@@ -137,6 +157,33 @@ case $stage in
       --prompt "Open the settings and turn on dark mode." --max-new-tokens 32 --ignore-eos --timings --repeat 5 \
       --device cuda --dtype bf16
     ;;
+  train)
+    step cuda-tests 240 "$bundle/run.sh" cuda
+    grep -E "FAIL|test result|passed|failed" "$work/cuda-tests.log" | sed 's/^/    /' | head -20 >>"$summary"
+    # Liger-Kernel for the PyTorch anchor (a small wheel carried in target/wheels; no network there).
+    pip install -q --no-deps --no-index target/wheels/liger_kernel-*.whl >"$work/liger-install.log" 2>&1 ||
+      note "liger-kernel: not installed (see liger-install.log); its rows are left out"
+    ckpt=target/gpu-bench/qwen3b-random
+    step torch-lora 200 gpu_peak "$work/torch-lora.mem" python3 scripts/gpu/bench_torch_lora_step.py \
+      --save-checkpoint "$ckpt"
+    step torch-lora-liger 200 gpu_peak "$work/torch-lora-liger.mem" python3 scripts/gpu/bench_torch_lora_step.py \
+      --load-checkpoint "$ckpt" --liger
+    # askgui-train with the defaults a user gets (dropout 0.05, packing, the data path's decode and tiling)
+    # on synthetic 1080x2400 episodes, the same random 3B checkpoint.
+    gunzip -c "$data/tokenizer.json.gz" >"$ckpt/tokenizer.json" && cp "$data/tokenizer_config.json" "$ckpt/"
+    "$bundle/bin/askgui-data" synth --out "$work/data" --episodes 24 --seed 5 --width 1080 --height 2400 \
+      --split 1:0:0 >"$work/synth.log" 2>&1
+    step askgui-train-defaults 240 gpu_peak "$work/askgui-train.mem" "$train" --model "$ckpt" \
+      --data "$work/data/train.jsonl" --output-dir "$work/run-defaults" --max-steps 6 --device cuda --progress false
+    python3 scripts/gpu/train_summary.py "$work/run-defaults" "$work"/torch-lora.log "$work"/torch-lora-liger.log \
+      --mem "$work"/askgui-train.mem "$work"/torch-lora.mem "$work"/torch-lora-liger.mem 2>&1 | sed 's/^/    /' >>"$summary"
+    step bench-ops 150 "$bundle/run.sh" --example bench_cuda norm_rope_ce
+    step torch-ops 150 python3 scripts/gpu/bench_torch_ops.py
+    grep -h linear_cross_entropy "$work/bench-ops.log" "$work/torch-ops.log" | sed 's/^/    /' >>"$summary"
+    step bench-attention 150 "$bundle/run.sh" --example bench_cuda attention
+    step bench-tiling 60 "$bundle/run.sh" --example bench_cuda tiling
+    SKIP_CHECK_GPU=1 step torch-kernels 200 scripts/gpu/run_all.sh "$work/torch" attention tiling
+    ;;
   paged)
     # The paged KV cache: the CUDA tests (the paged kernel's among them), the server on the CPU against
     # the GPU (its decode steps and action-name forks read the cache through the paged kernel), the paged
@@ -161,7 +208,7 @@ case $stage in
       grep -h '^{' "$work/generate-before.log" | sed 's/^/    before: /' >>"$summary"
     fi
     ;;
-  *) echo "unknown stage $stage: check, model or paged" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: check, model, train or paged" >&2; exit 2 ;;
 esac
 tar -C "$(dirname "$work")" --exclude='*.safetensors' -czf "$out/$stage.tar.gz" "$stage"
 note "$stage: $failed failed; logs in $out/$stage.tar.gz"

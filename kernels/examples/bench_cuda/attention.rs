@@ -3,7 +3,7 @@
 //! (`scripts/gpu/bench_torch_attention.py`, sdpa flash) so the two can be set side by side.
 //!
 //! Configs (name: B, Hq, Hkv, T, D, mask): decoder-3b 1, 16, 2, 4096, 128, causal; decoder-3b-1k
-//! 1, 16, 2, 1024, 128, causal; vision-window 1, 16, 16, 4096, 80, block-diagonal windows of 64 (PyTorch
+//! 1, 16, 2, 1024, 128, causal; decoder-3b-8k 1, 16, 2, 8192, 128, causal (multi-screenshot samples); vision-window 1, 16, 16, 4096, 80, block-diagonal windows of 64 (PyTorch
 //! runs these as B=64 batches of T=64: the same work); vision-full 1, 16, 16, 4096, 80, none. Each in
 //! bf16 and f32. `fwd_ms`: the forward of (q, k, v) that track no gradient; `fwd_bwd_ms`: the forward on
 //! `Var`s plus candle's backward of `sum(O * W)` (dO = W random; the mul and sum add ~0.05 ms), which
@@ -33,6 +33,7 @@ struct Config {
 const CONFIGS: [Config; 4] = [
     Config { name: "decoder-3b", b: 1, hq: 16, hkv: 2, t: 4096, d: 128, causal: true, window: None },
     Config { name: "decoder-3b-1k", b: 1, hq: 16, hkv: 2, t: 1024, d: 128, causal: true, window: None },
+    Config { name: "decoder-3b-8k", b: 1, hq: 16, hkv: 2, t: 8192, d: 128, causal: true, window: None },
     Config { name: "vision-window", b: 1, hq: 16, hkv: 16, t: 4096, d: 80, causal: false, window: Some(64) },
     Config { name: "vision-full", b: 1, hq: 16, hkv: 16, t: 4096, d: 80, causal: false, window: None },
 ];

@@ -1,7 +1,10 @@
 //! GPU benchmark of the training ops' CUDA paths at the Qwen2.5-VL-3B shapes: RMSNorm (decoder, 4096 x
 //! 2048), LayerNorm (Qwen2-VL vision tower, 16384 x 1280), RoPE on q (1, 16, 4096, 128), the masked
 //! cross-entropy over 4096 x 151936 logits with half the rows supervised, and `frozen_linear` (the MLP up
-//! projection, 4096 x 2048 -> 11008). Norm weights are frozen (`*_frozen`), as in LoRA training.
+//! projection, 4096 x 2048 -> 11008), and the LM head with the loss over 4096 supervised rows (2048 ->
+//! 151936), fused (`linear_cross_entropy`, `"variant": "fused"`: its forward also computes the gradients,
+//! as Liger's does) and through the full logits (`"variant": "unfused"`). Norm weights are frozen
+//! (`*_frozen`), as in LoRA training.
 //!
 //! One JSON line per (op, dtype): `{"bench", "impl": "askgui", "dtype", shape fields, "fwd_ms",
 //! "fwd_bwd_ms"}`, the same keys as `scripts/gpu/bench_torch_ops.py` (`"impl": "torch"`). `fwd_bwd_ms`
@@ -10,7 +13,9 @@
 
 use crate::median_ms;
 use anyhow::Result;
-use askgui_kernels::ops::{cross_entropy_masked, frozen_linear, layer_norm_frozen, rms_norm_frozen, rope};
+use askgui_kernels::ops::{
+    cross_entropy_masked, frozen_linear, layer_norm_frozen, linear_cross_entropy, rms_norm_frozen, rope,
+};
 use candle_core::{DType, Device, Tensor, Var};
 use serde_json::{json, Value};
 
@@ -78,6 +83,22 @@ pub fn run(dev: &Device) -> Result<()> {
         let fields = json!({"bench": "cross_entropy", "dtype": dt, "rows": rows, "vocab": vocab, "mask_frac": 0.5});
         bench(dev, fields, &x, &f)?;
         drop(x);
+
+        let (rows, hidden, vocab) = (4096, 2048, 151936);
+        let x = Var::from_tensor(&randn(&[rows, hidden], dtype, dev)?)?;
+        let w = (randn(&[vocab, hidden], dtype, dev)? * (1.0 / (hidden as f64).sqrt()))?;
+        let labels: Vec<u32> = (0..rows as u32).map(|r| r.wrapping_mul(2654435761) % vocab as u32).collect();
+        let labels = Tensor::from_vec(labels, rows, dev)?;
+        let ones = Tensor::ones(rows, dtype, dev)?;
+        let fields =
+            json!({"bench": "linear_cross_entropy", "dtype": dt, "rows": rows, "hidden": hidden, "vocab": vocab});
+        let mut fused = fields.clone();
+        fused["variant"] = json!("fused");
+        bench(dev, fused, &x, &|x: &Tensor| linear_cross_entropy(x, &w, &labels, None))?;
+        let mut unfused = fields;
+        unfused["variant"] = json!("unfused");
+        bench(dev, unfused, &x, &|x: &Tensor| cross_entropy_masked(&frozen_linear(x, &w)?, &labels, &ones))?;
+        drop((x, w));
 
         let (rows, d_in, d_out) = (4096, 2048, 11008);
         let x = Var::from_tensor(&randn(&[rows, d_in], dtype, dev)?)?;
