@@ -14,6 +14,7 @@
 //!   "task": "Buy oat milk",
 //!   "observation": {
 //!     "screenshot": "data:image/png;base64,iVBORw0KGgo...",
+//!     "earlier_screenshots": ["data:image/png;base64,iVBORw0KGgo..."],
 //!     "elements": [{"id": "e3", "role": "button", "text": "Search", "bbox": [40, 180, 1040, 260]}],
 //!     "screen": {"width": 1080, "height": 2400}
 //!   },
@@ -101,6 +102,11 @@ pub struct Observation {
     /// prefix is allowed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub screenshot: Option<String>,
+    /// The screenshots of the earlier steps, oldest first, each as `screenshot` is written (at most
+    /// [`MAX_EARLIER_SCREENSHOTS`]). A model trained with `--history-images k` is shown the last `k` of them
+    /// before the current one, as in training; others show the current one only. A session keeps its own.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub earlier_screenshots: Vec<String>,
     /// The element list (accessibility / DOM nodes), in screen pixels.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elements: Option<Vec<Element>>,
@@ -173,24 +179,46 @@ impl StepOptions {
     }
 }
 
+/// The most earlier screenshots a request may carry (the longest screenshot history a model is trained
+/// with is far shorter; this bounds one request's decoding work).
+pub const MAX_EARLIER_SCREENSHOTS: usize = 16;
+
+/// An image field's bytes: the base64 payload decoded, after any `data:` URL prefix; the error is the
+/// reason, for the caller to name the field.
+fn image_bytes(s: &str) -> Result<Vec<u8>, String> {
+    let payload = match s.trim_start().strip_prefix("data:") {
+        Some(url) => match url.split_once(',') {
+            Some((meta, data)) if meta.ends_with(";base64") => data,
+            Some(_) => return Err("a data: URL must be base64 (`;base64,`)".into()),
+            None => return Err("a data: URL without a `,`".into()),
+        },
+        None => s,
+    };
+    let bytes = crate::convert::base64_decode(payload).map_err(|e| e.to_string())?;
+    if bytes.is_empty() {
+        return Err("empty image".into());
+    }
+    Ok(bytes)
+}
+
 impl Observation {
     /// The screenshot's bytes: the base64 payload decoded, after any `data:` URL prefix. `None` when the
     /// observation has no screenshot.
     pub fn screenshot_bytes(&self) -> Result<Option<Vec<u8>>, RequestError> {
-        let Some(s) = &self.screenshot else { return Ok(None) };
-        let payload = match s.trim_start().strip_prefix("data:") {
-            Some(url) => match url.split_once(',') {
-                Some((meta, data)) if meta.ends_with(";base64") => data,
-                Some(_) => return Err(invalid("observation.screenshot", "a data: URL must be base64 (`;base64,`)")),
-                None => return Err(invalid("observation.screenshot", "a data: URL without a `,`")),
-            },
-            None => s.as_str(),
-        };
-        let bytes = crate::convert::base64_decode(payload).map_err(|e| invalid("observation.screenshot", e))?;
-        if bytes.is_empty() {
-            return Err(invalid("observation.screenshot", "empty image"));
-        }
-        Ok(Some(bytes))
+        let bytes = self.screenshot.as_deref().map(image_bytes).transpose();
+        bytes.map_err(|e| invalid("observation.screenshot", e))
+    }
+
+    /// The bytes of the last `k` earlier screenshots (those a prompt that shows `k` can show), oldest
+    /// first; each named by its index in errors.
+    pub fn earlier_screenshot_bytes(&self, k: usize) -> Result<Vec<Vec<u8>>, RequestError> {
+        let first = self.earlier_screenshots.len().saturating_sub(k);
+        (first..self.earlier_screenshots.len())
+            .map(|i| {
+                let bytes = image_bytes(&self.earlier_screenshots[i]);
+                bytes.map_err(|e| invalid("observation.earlier_screenshots", format!("screenshot {i}: {e}")))
+            })
+            .collect()
     }
 }
 
@@ -221,6 +249,15 @@ impl AgentStepRequest {
             if o.screen.is_none() {
                 return Err(invalid("observation.screen", "required when there is no screenshot"));
             }
+        }
+        if !o.earlier_screenshots.is_empty() && o.screenshot.is_none() {
+            return Err(invalid("observation.earlier_screenshots", "given without the current `screenshot`"));
+        }
+        if o.earlier_screenshots.len() > MAX_EARLIER_SCREENSHOTS {
+            return Err(invalid(
+                "observation.earlier_screenshots",
+                format!("{} screenshots; at most {MAX_EARLIER_SCREENSHOTS}", o.earlier_screenshots.len()),
+            ));
         }
         if let Some(s) = o.screen {
             if s.width == 0 || s.height == 0 {
@@ -454,6 +491,7 @@ mod tests {
                     bbox: [40, 180, 1040, 260],
                 }]),
                 screen: Some(Screen { width: 1080, height: 2400 }),
+                ..Observation::default()
             },
             history: vec![
                 Turn::Agent { action: Action::Click(Target::point(540, 220)) },
@@ -608,6 +646,24 @@ mod tests {
         assert!(shot("").is_err());
         assert_eq!(shot("data:image/jpeg;base64,aGVsbG8").unwrap().unwrap(), b"hello");
         assert_eq!(Observation::default().screenshot_bytes(), Ok(None));
+
+        // Earlier screenshots: only beside a current one, at most MAX_EARLIER_SCREENSHOTS; the last k are
+        // read, and a bad one is named by its index.
+        let mut earlier = base.clone();
+        earlier.observation.earlier_screenshots = vec!["aGVsbG8".into(), "!".into(), "d29ybGQ".into()];
+        assert_eq!(earlier.check(), Ok(()));
+        assert_eq!(earlier.observation.earlier_screenshot_bytes(1).unwrap(), [b"world".to_vec()]);
+        let e = earlier.observation.earlier_screenshot_bytes(2).unwrap_err().to_string();
+        assert!(e.starts_with("observation.earlier_screenshots: screenshot 1:"), "{e}");
+        assert!(earlier.observation.earlier_screenshot_bytes(0).unwrap().is_empty());
+        let mut alone = earlier.clone();
+        alone.observation.screenshot = None;
+        alone.observation.elements = Some(vec![]);
+        alone.observation.screen = Some(Screen { width: 4, height: 4 });
+        assert_eq!(field(&alone), "observation.earlier_screenshots");
+        let mut many = earlier.clone();
+        many.observation.earlier_screenshots = vec!["aGVsbG8".into(); MAX_EARLIER_SCREENSHOTS + 1];
+        assert_eq!(field(&many), "observation.earlier_screenshots");
     }
 
     #[test]

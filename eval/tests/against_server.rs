@@ -68,6 +68,7 @@ fn endpoint_backend_gets_actions_from_the_real_server() {
             backoff_ms: 10,
             options: StepOptions { max_tokens: Some(24), ..StepOptions::default() },
             elements: true,
+            history_images: None,
         })
         .expect("endpoint config");
         let p = agent.predict(&input).unwrap_or_else(|e| panic!("adapter {adapter:?}: {e}"));

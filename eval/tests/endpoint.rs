@@ -142,6 +142,7 @@ fn agent(base: &str, retries: u32, adapter: Option<&str>) -> EndpointAgent {
         backoff_ms: 1,
         options: StepOptions { max_tokens: Some(64), temperature: Some(0.0), ..StepOptions::default() },
         elements: true,
+        history_images: None,
     })
     .unwrap()
 }
@@ -195,6 +196,7 @@ fn without_elements_or_adapter_they_are_left_out() {
         backoff_ms: 1,
         options: StepOptions { max_tokens: Some(32), ..StepOptions::default() },
         elements: false,
+        history_images: None,
     })
     .unwrap();
     assert_eq!(agent.name(), format!("askgui-serve @ {}", m.base.trim_end_matches('/')));

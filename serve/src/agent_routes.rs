@@ -12,7 +12,7 @@ use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, Observation, S
 use askgui_data::episode::Screen;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{BackendInfo, JobKind, JobOutput, StepJob};
+use crate::backend::{BackendInfo, ImageInput, JobKind, JobOutput, StepJob};
 use crate::error::HttpError;
 use crate::sessions::SessionError;
 use crate::state::AppState;
@@ -69,8 +69,14 @@ pub async fn decode_image(
         .map_err(|_| HttpError::internal(format!("{what}: the image decoder failed")))?
 }
 
-/// Checks, decodes and runs one step.
-pub async fn run_step(state: &AppState, mut req: AgentStepRequest) -> Result<AgentStepResponse, HttpError> {
+/// Checks, decodes and runs one step. `kept` is a session's earlier screenshots; a stateless request's are
+/// its own `observation.earlier_screenshots`, of which the last ones the prompt shows are decoded. Returns
+/// the answer and the current screenshot, decoded (a session keeps it).
+pub async fn run_step(
+    state: &AppState,
+    mut req: AgentStepRequest,
+    kept: Option<Vec<ImageInput>>,
+) -> Result<(AgentStepResponse, Option<ImageInput>), HttpError> {
     req.check()?;
     let info = state.engine.info()?;
     check_adapter(&info, req.adapter.as_deref())?;
@@ -88,13 +94,30 @@ pub async fn run_step(state: &AppState, mut req: AgentStepRequest) -> Result<Age
         Some(bytes) => Some(decode_image(state, bytes, "observation.screenshot").await?),
         None => None,
     };
+    let mut screenshots = match kept {
+        Some(kept) => kept,
+        None => {
+            let mut earlier = Vec::new();
+            for bytes in req.observation.earlier_screenshot_bytes(info.history_images)? {
+                earlier.push(decode_image(state, bytes, "observation.earlier_screenshots").await?);
+            }
+            earlier
+        }
+    };
+    // Earlier screenshots go with a current one only (`check` refuses them alone in a request).
+    match &screenshot {
+        Some(current) => screenshots.push(current.clone()),
+        None => screenshots.clear(),
+    }
+    // Decoded: the base64 text is not needed past this point.
+    req.observation.earlier_screenshots.clear();
     let (adapter, coordinates) = (req.adapter.clone(), req.options.coordinates);
-    match state.engine.call(JobKind::Step(StepJob { request: req, screenshot }), adapter).await? {
+    match state.engine.call(JobKind::Step(StepJob { request: req, screenshots }), adapter).await? {
         JobOutput::Step(resp) => {
             let metrics = state.engine.metrics();
             metrics.tokens(resp.usage.prompt_tokens, resp.usage.completion_tokens);
             metrics.observe_step(resp.usage.cached_tokens, resp.usage.completion_tokens, resp.timings.decode_ms);
-            Ok(resp.in_coordinates(coordinates))
+            Ok((resp.in_coordinates(coordinates), screenshot))
         }
         JobOutput::Chat(_) => Err(HttpError::internal("the backend answered a step with a chat completion")),
     }
@@ -102,7 +125,7 @@ pub async fn run_step(state: &AppState, mut req: AgentStepRequest) -> Result<Age
 
 /// `POST /v1/agent/step`.
 pub async fn step(state: web::Data<AppState>, body: Strict<AgentStepRequest>) -> Result<HttpResponse, HttpError> {
-    let resp = run_step(&state, body.into_inner()).await?;
+    let (resp, _) = run_step(&state, body.into_inner(), None).await?;
     Ok(HttpResponse::Ok().json(resp))
 }
 
@@ -172,7 +195,7 @@ pub async fn create_session(
         observation: Observation {
             elements: Some(vec![]),
             screen: Some(Screen { width: 1, height: 1 }),
-            screenshot: None,
+            ..Observation::default()
         },
         history: vec![],
         adapter,
@@ -197,6 +220,11 @@ pub async fn session_step(
     body: Strict<SessionStep>,
 ) -> Result<HttpResponse, HttpError> {
     let SessionStep { observation, options } = body.into_inner();
+    if !observation.earlier_screenshots.is_empty() {
+        return Err(HttpError::bad_request(
+            "observation.earlier_screenshots: a session keeps its earlier screenshots itself; send the current one",
+        ));
+    }
     let (session, lease) = state.sessions.begin_step(&id)?;
     let req = AgentStepRequest {
         history: session.context(),
@@ -206,8 +234,10 @@ pub async fn session_step(
         options: options.unwrap_or(session.options),
     };
     // On an error (or the client leaving) the lease is dropped: the session is freed, its history unchanged.
-    let resp = run_step(&state, req).await?;
-    state.sessions.finish_step(lease, resp.screen_action.clone().unwrap_or_else(|| resp.action.clone()));
+    let (resp, screenshot) = run_step(&state, req, Some(session.screenshots)).await?;
+    let keep = state.engine.info()?.history_images;
+    let action = resp.screen_action.clone().unwrap_or_else(|| resp.action.clone());
+    state.sessions.finish_step(lease, action, screenshot, keep);
     Ok(HttpResponse::Ok().json(resp))
 }
 

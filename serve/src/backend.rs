@@ -22,9 +22,23 @@ pub use askgui_runtime::ImageInput;
 /// `POST /v1/agent/step` (or a session step turned into one).
 #[derive(Debug, Clone)]
 pub struct StepJob {
-    /// Checked with [`AgentStepRequest::check`]; its base64 screenshot has been decoded into `screenshot`.
+    /// Checked with [`AgentStepRequest::check`]; its base64 screenshots have been decoded into `screenshots`.
     pub request: AgentStepRequest,
-    pub screenshot: Option<ImageInput>,
+    /// The earlier screenshots the prompt shows, oldest first, then the current one; empty for a step
+    /// without a screenshot.
+    pub screenshots: Vec<ImageInput>,
+}
+
+impl StepJob {
+    /// A job with the current screenshot only (or none).
+    pub fn new(request: AgentStepRequest, screenshot: Option<ImageInput>) -> Self {
+        Self { request, screenshots: screenshot.into_iter().collect() }
+    }
+
+    /// The current screenshot.
+    pub fn screenshot(&self) -> Option<&ImageInput> {
+        self.screenshots.last()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,6 +170,8 @@ pub struct BackendInfo {
     pub context_length: usize,
     /// The pause thresholds requests default to.
     pub pauses: PauseLevels,
+    /// The earlier screenshots a step's prompt shows before the current one.
+    pub history_images: usize,
 }
 
 /// The pause thresholds requests default to: `--pause-threshold`, else the calibrated level of the

@@ -115,6 +115,10 @@ pub struct Config {
     /// of the model folder, else true].
     #[arg(long, env = "ASKGUI_SERVE_ELEMENTS", num_args = 0..=1, default_missing_value = "true")]
     pub elements: Option<bool>,
+    /// Earlier screenshots a step's prompt shows before the current one (`--history-images` of training)
+    /// [default: the askgui.json of the adapters or of the model folder, else 0].
+    #[arg(long, env = "ASKGUI_SERVE_HISTORY_IMAGES")]
+    pub history_images: Option<usize>,
     /// The pause threshold of requests that give none: `ask` exactly when p(ask) is at least this
     /// [default: each adapter's calibrated level in its askgui.json, else the model's own choice].
     #[arg(long, env = "ASKGUI_SERVE_PAUSE_THRESHOLD")]

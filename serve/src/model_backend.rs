@@ -68,7 +68,7 @@ impl From<&Config> for ModelBackendConfig {
                 min_pixels: cfg.min_pixels,
                 max_pixels: cfg.max_pixels,
                 elements: cfg.elements,
-                history_images: None,
+                history_images: cfg.history_images,
             },
             pause_threshold: cfg.pause_threshold,
             device: cfg.device,
@@ -82,8 +82,7 @@ impl From<&Config> for ModelBackendConfig {
 
 /// The askgui.json the server's prompt settings default to: those of the model folder and of every
 /// adapter (`cards`, by what they belong to) must agree on each setting no flag gives, since one server
-/// builds every prompt alike; every disagreement is named at once. History screenshots (a request carries
-/// one screenshot) are warned about.
+/// builds every prompt alike; every disagreement is named at once.
 pub fn served_card(flags: &PromptFlags, cards: &[(String, AdapterCard)]) -> anyhow::Result<Option<AdapterCard>> {
     let Some((first_name, first)) = cards.first() else { return Ok(None) };
     let mut conflicts = Vec::new();
@@ -94,13 +93,6 @@ pub fn served_card(flags: &PromptFlags, cards: &[(String, AdapterCard)]) -> anyh
             let listed: Vec<String> = differs.iter().map(|(s, a, b)| format!("{s} {a} vs {b}")).collect();
             conflicts.push(format!("{first_name} and {name}: {}", listed.join(", ")));
             settings.extend(differs.iter().map(|d| d.0).filter(|s| !settings.contains(s)).collect::<Vec<_>>());
-        }
-        if c.prompt.history_images > 0 {
-            tracing::warn!(
-                "{name} was trained with {} earlier screenshots in each prompt (askgui.json); the server shows \
-                 the current screenshot only",
-                c.prompt.history_images
-            );
         }
     }
     if !conflicts.is_empty() {
@@ -127,6 +119,12 @@ fn differing(flags: &PromptFlags, a: &AdapterCard, b: &AdapterCard) -> Vec<(&'st
         ("min-pixels", flags.min_pixels.is_none(), a.image.min_pixels.to_string(), b.image.min_pixels.to_string()),
         ("max-pixels", flags.max_pixels.is_none(), a.image.max_pixels.to_string(), b.image.max_pixels.to_string()),
         ("elements", flags.elements.is_none(), pa.elements.to_string(), pb.elements.to_string()),
+        (
+            "history-images",
+            flags.history_images.is_none(),
+            pa.history_images.to_string(),
+            pb.history_images.to_string(),
+        ),
     ];
     candidates.into_iter().filter(|(_, unset, x, y)| *unset && x != y).map(|(s, _, x, y)| (s, x, y)).collect()
 }
@@ -192,7 +190,9 @@ impl ModelBackend {
         let mut adapters: Vec<String> = model.adapter_names().into_iter().map(String::from).collect();
         adapters.sort();
         let context_length = runtime.context_length();
-        let info = BackendInfo { model: model_id.into(), adapters, context_length, pauses: PauseLevels::default() };
+        let history_images = runtime.prompt_config().history_images;
+        let pauses = PauseLevels::default();
+        let info = BackendInfo { model: model_id.into(), adapters, context_length, pauses, history_images };
         let jobs = Jobs { runtime, info };
         let kv_pool = jobs.runtime.kv_pool().clone();
         Ok(Self { runner: Runner::new(Packed::new(model), kv_pool), jobs })
@@ -281,11 +281,11 @@ fn bind_or_log(device: &candle_core::Device) {
     }
 }
 
-/// The server's prompt settings: the flags (after askgui.json), with the current screenshot only (a
-/// request carries one) and, unless a flag or card says otherwise, a request's element list shown; `native`
-/// is the model family's frame, for when neither a flag nor a card sets one.
+/// The server's prompt settings: the flags (after askgui.json) and, unless a flag or card says otherwise, a
+/// request's element list shown; `native` is the model family's frame, for when neither a flag nor a card
+/// sets one. The earlier screenshots shown are the card's (`--history-images` of training), else none.
 fn served_prompt(flags: &PromptFlags, native: askgui_data::FrameKind) -> PromptConfig {
-    PromptConfig { elements: flags.elements.unwrap_or(true), history_images: 0, ..flags.config_in(native) }
+    PromptConfig { elements: flags.elements.unwrap_or(true), ..flags.config_in(native) }
 }
 
 impl Backend for ModelBackend {

@@ -45,7 +45,7 @@ pub fn predict(backend: &mut dyn Backend, args: &PredictArgs) -> Result<AgentSte
     let (reply, mut rx) = oneshot::channel();
     let job = Job {
         adapter: request.adapter.clone(),
-        kind: JobKind::Step(StepJob { request, screenshot: Some(screenshot) }),
+        kind: JobKind::Step(StepJob::new(request, Some(screenshot))),
         enqueued: Instant::now(),
         cancelled: Arc::new(AtomicBool::new(false)),
         stream: None,

@@ -92,6 +92,7 @@ async fn health(state: web::Data<AppState>) -> HttpResponse {
             "model": info.model,
             "adapters": info.adapters,
             "pause_thresholds": info.pauses.by_name(&info.model),
+            "history_images": info.history_images,
             "queue_depth": state.engine.queue_depth(),
             "live_sessions": state.sessions.len(),
         })),

@@ -16,6 +16,9 @@
 //!   each a SAY of its own, so that none reads as the answer to a question. Beyond [`MEMORY_TURNS`] turns
 //!   or [`MEMORY_CHARS`] characters (the context budget) the oldest pairs go first, then the oldest
 //!   statements.
+//! - Screenshots: a session keeps the screenshots of its earlier steps that a prompt shows (the model's
+//!   `--history-images`), as training shows them: a step's screenshot joins them when the agent acted on
+//!   it, not when it asked (the answer comes back to the same screen); a next task starts without them.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -23,6 +26,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use askgui_data::agent_api::StepOptions;
 use askgui_data::{Action, Turn};
+
+use crate::backend::ImageInput;
 use rand::Rng;
 use serde::Serialize;
 
@@ -41,6 +46,8 @@ pub struct Session {
     /// What earlier tasks and the user's statements left.
     pub memory: Memory,
     pub history: Vec<Turn>,
+    /// The screenshots of the earlier steps a prompt shows, oldest first.
+    pub screenshots: Vec<ImageInput>,
     /// Unix seconds.
     pub created: u64,
     last_used: Instant,
@@ -225,6 +232,7 @@ impl SessionStore {
                 m
             },
             history: Vec::new(),
+            screenshots: Vec::new(),
             created: unix_now(),
             last_used: Instant::now(),
             busy: false,
@@ -269,9 +277,15 @@ impl SessionStore {
         Ok((s.clone(), StepLease { store: self, id: id.to_string() }))
     }
 
-    /// Ends a step with the agent's action appended (a session deleted meanwhile is left deleted).
-    pub fn finish_step(&self, lease: StepLease<'_>, action: Action) {
+    /// Ends a step with the agent's action appended (a session deleted meanwhile is left deleted). The
+    /// step's `screenshot` joins the `keep` most recent earlier ones unless the action is an `ask`.
+    pub fn finish_step(&self, lease: StepLease<'_>, action: Action, screenshot: Option<ImageInput>, keep: usize) {
         if let Some(s) = self.lock().get_mut(&lease.id) {
+            if let (Some(shot), false) = (screenshot, matches!(action, Action::Ask(_))) {
+                s.screenshots.push(shot);
+            }
+            let extra = s.screenshots.len().saturating_sub(keep);
+            s.screenshots.drain(..extra);
             s.history.push(Turn::Agent { action });
         }
         drop(lease);
@@ -306,6 +320,7 @@ impl SessionStore {
                 return Err(SessionError::Busy(id.to_string()));
             }
             let history = std::mem::take(&mut s.history);
+            s.screenshots.clear();
             s.memory.add(&history, remember);
             s.task = task;
             s.last_used = Instant::now();
@@ -343,7 +358,7 @@ mod tests {
 
         let (_, lease) = store.begin_step(&id).unwrap();
         assert!(matches!(store.begin_step(&id), Err(SessionError::Busy(_))));
-        store.finish_step(lease, ask());
+        store.finish_step(lease, ask(), None, 0);
         assert!(store.view(&id).unwrap().waiting_for_answer);
         let v = store.say(&id, "Lime".into()).unwrap();
         assert!(!v.waiting_for_answer && v.history.len() == 2);
@@ -352,11 +367,42 @@ mod tests {
         drop(store.begin_step(&id).unwrap());
         let (s, lease) = store.begin_step(&id).unwrap();
         assert_eq!(s.history.len(), 2);
-        store.finish_step(lease, Action::Click(Target::point(1, 2)));
+        store.finish_step(lease, Action::Click(Target::point(1, 2)), None, 0);
         assert_eq!(store.view(&id).unwrap().history.len(), 3);
         store.delete(&id).unwrap();
         assert!(matches!(store.view(&id), Err(SessionError::NotFound(_))));
         assert!(matches!(store.delete(&id), Err(SessionError::NotFound(_))));
+    }
+
+    fn shot(hash: u64) -> ImageInput {
+        ImageInput { image: std::sync::Arc::new(image::RgbImage::new(2, 2)), hash }
+    }
+
+    /// A session keeps what a training sample shows: the screenshots of the steps the agent acted on (an
+    /// ask's step comes back after the answer, on the same screen), the last `keep` of them, none after
+    /// the task changes.
+    #[test]
+    fn earlier_screenshots_are_those_training_shows() {
+        let store = SessionStore::new(Duration::from_secs(60), 4);
+        let id = store.create("Buy milk".into(), None, StepOptions::default(), vec![]).unwrap();
+        let kept = |store: &SessionStore| -> Vec<u64> {
+            let (s, lease) = store.begin_step(&id).unwrap();
+            store.finish_step(lease, ask(), None, 2);
+            s.screenshots.iter().map(|i| i.hash).collect()
+        };
+        let (_, lease) = store.begin_step(&id).unwrap();
+        store.finish_step(lease, Action::Click(Target::point(1, 2)), Some(shot(1)), 2);
+        let (_, lease) = store.begin_step(&id).unwrap();
+        store.finish_step(lease, ask(), Some(shot(2)), 2);
+        store.say(&id, "Oat".into()).unwrap();
+        let (_, lease) = store.begin_step(&id).unwrap();
+        store.finish_step(lease, Action::Click(Target::point(1, 2)), Some(shot(2)), 2);
+        let (_, lease) = store.begin_step(&id).unwrap();
+        store.finish_step(lease, Action::Click(Target::point(1, 2)), Some(shot(3)), 2);
+        assert_eq!(kept(&store), [2, 3], "the last two acted-on screens, the asked one once");
+        store.say(&id, "x".into()).unwrap();
+        store.next_task(&id, "Call mum".into(), vec![]).unwrap();
+        assert_eq!(kept(&store), Vec::<u64>::new(), "a next task starts without screenshots");
     }
 
     fn say(t: &str) -> Turn {
@@ -368,10 +414,10 @@ mod tests {
         let store = SessionStore::new(Duration::from_secs(60), 2);
         let id = store.create("t1".into(), None, StepOptions::default(), vec!["I am vegan".into()]).unwrap();
         let (_, lease) = store.begin_step(&id).unwrap();
-        store.finish_step(lease, ask());
+        store.finish_step(lease, ask(), None, 0);
         store.say(&id, "Oat milk".into()).unwrap();
         let (_, lease) = store.begin_step(&id).unwrap();
-        store.finish_step(lease, Action::Click(Target::point(1, 2)));
+        store.finish_step(lease, Action::Click(Target::point(1, 2)), None, 0);
         let v = store.next_task(&id, "t2".into(), vec!["Deliver after 6".into()]).unwrap();
         // The statements first, each on its own; then the question with its answer.
         assert_eq!(
@@ -388,13 +434,13 @@ mod tests {
         let store = SessionStore::new(Duration::from_secs(60), 2);
         let id = store.create("t1".into(), None, StepOptions::default(), vec![]).unwrap();
         let (_, lease) = store.begin_step(&id).unwrap();
-        store.finish_step(lease, ask());
+        store.finish_step(lease, ask(), None, 0);
         // The user goes on without answering, and states a fact.
         let v = store.next_task(&id, "t2".into(), vec!["I live in Lyon".into()]).unwrap();
         assert_eq!(v.memory, [say("I live in Lyon")], "the unanswered `Which?` is gone");
         // Answered in task 2, then a statement with task 3: the statement still comes before every ask.
         let (_, lease) = store.begin_step(&id).unwrap();
-        store.finish_step(lease, ask());
+        store.finish_step(lease, ask(), None, 0);
         store.say(&id, "The red one".into()).unwrap();
         let v = store.next_task(&id, "t3".into(), vec!["Pay by card".into()]).unwrap();
         let want = [say("I live in Lyon"), say("Pay by card"), Turn::Agent { action: ask() }, say("The red one")];

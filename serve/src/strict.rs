@@ -352,7 +352,7 @@ mod tests {
             s.fields("options"),
             Some(&["max_tokens", "temperature", "seed", "constrain", "pause_threshold", "coordinates"][..])
         );
-        assert_eq!(s.fields("observation"), Some(&["screenshot", "elements", "screen"][..]));
+        assert_eq!(s.fields("observation"), Some(&["screenshot", "earlier_screenshots", "elements", "screen"][..]));
         assert_eq!(s.fields("observation.elements[]"), Some(&["id", "role", "text", "bbox"][..]));
         assert_eq!(s.fields("observation.screen"), Some(&["width", "height"][..]));
         // Internally tagged: no probe gets in; the parsed value's shape does.

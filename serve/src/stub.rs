@@ -92,6 +92,7 @@ impl StubBackend {
             adapters: adapters.iter().map(|a| a.to_string()).collect(),
             context_length: 4096,
             pauses: PauseLevels::default(),
+            history_images: 0,
         };
         Self { info, log }
     }
@@ -142,7 +143,7 @@ impl StubBackend {
     fn step(&self, job: &Job, s: &StepJob) -> Result<JobOutput, BackendError> {
         let req = &s.request;
         self.log.steps.lock().unwrap_or_else(|p| p.into_inner()).push(req.clone());
-        let (w, h) = match (&s.screenshot, req.observation.screen) {
+        let (w, h) = match (s.screenshot(), req.observation.screen) {
             (_, Some(screen)) => (screen.width, screen.height),
             (Some(img), None) => img.image.dimensions(),
             (None, None) => return Err(BackendError::BadInput("observation: no screen size".into())),
@@ -164,7 +165,7 @@ impl StubBackend {
         };
         let model_action = frame.action_to_model(&action);
         let raw = model_action.render();
-        let image_tokens = s.screenshot.as_ref().map_or(0, |_| 4);
+        let image_tokens = s.screenshots.len() * 4;
         let prompt_tokens = words(&req.task) + req.history.len() + image_tokens;
         Ok(JobOutput::Step(Box::new(AgentStepResponse {
             action,

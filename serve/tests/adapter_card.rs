@@ -65,7 +65,7 @@ fn step(cfg: &ModelBackendConfig) -> (anyhow::Result<AgentStepResponse>, String)
         let img = image::RgbImage::from_fn(400, 300, |x, y| image::Rgb([(x % 256) as u8, (y % 256) as u8, 90]));
         let mut request = AgentStepRequest::new("Open the settings", "unused");
         request.options = StepOptions { max_tokens: Some(8), ..Default::default() };
-        let job = StepJob { request, screenshot: Some(ImageInput { image: Arc::new(img), hash: 7 }) };
+        let job = StepJob::new(request, Some(ImageInput { image: Arc::new(img), hash: 7 }));
         Ok(b.step(&job, &|| false)?)
     });
     let logged = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
@@ -199,7 +199,7 @@ fn the_cards_pause_threshold_is_the_adapters_default_and_a_request_wins() {
         let img = image::RgbImage::from_fn(200, 150, |x, y| image::Rgb([(x % 256) as u8, (y % 256) as u8, 90]));
         let mut request = AgentStepRequest::new("Open the settings", "unused");
         request.options = StepOptions { max_tokens: Some(16), pause_threshold: pause, ..Default::default() };
-        let job = StepJob { request, screenshot: Some(ImageInput { image: Arc::new(img), hash: 9 }) };
+        let job = StepJob::new(request, Some(ImageInput { image: Arc::new(img), hash: 9 }));
         let (job, rx) = Job::new(JobKind::Step(job), adapter.map(String::from));
         b.run(vec![job]);
         match rx.blocking_recv().unwrap().unwrap() {

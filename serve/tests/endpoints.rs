@@ -359,8 +359,8 @@ fn health_says_loading_until_the_backend_is_built() {
     wait_ready(&server);
     let v = get(&server.url("/health")).json();
     // The stub claims no pause levels: an empty map.
-    let ok = json!({"status": "ok", "model": MODEL, "adapters": [ADAPTER], "pause_thresholds": {}, "queue_depth": 0,
-                    "live_sessions": 0});
+    let ok = json!({"status": "ok", "model": MODEL, "adapters": [ADAPTER], "pause_thresholds": {}, "history_images": 0,
+                    "queue_depth": 0, "live_sessions": 0});
     assert_eq!(v, ok);
     server.stop();
 }

@@ -31,7 +31,7 @@ fn screenshot(w: u32, h: u32) -> ImageInput {
 fn step_job(task: &str, options: StepOptions) -> StepJob {
     let mut request = AgentStepRequest::new(task, "unused: decoded below");
     request.options = options;
-    StepJob { request, screenshot: Some(screenshot(200, 150)) }
+    StepJob::new(request, Some(screenshot(200, 150)))
 }
 
 fn backend(with_adapter: bool) -> anyhow::Result<ModelBackend> {
@@ -62,7 +62,7 @@ fn ask_probability_is_the_models_distribution_over_action_names() -> anyhow::Res
     // The same prompt through the model's plain forward.
     let model = Qwen2Vl::load(checkpoint().to_str().unwrap(), &Device::Cpu, DType::F32)?;
     let tok = model.tokenizer()?;
-    let img = preprocess(&job.screenshot.as_ref().unwrap().image, &model.image_config)?;
+    let img = preprocess(&job.screenshot().unwrap().image, &model.image_config)?;
     let frame_model = (img.resized.0 as u32, img.resized.1 as u32);
     assert_eq!((r.frame.model.width, r.frame.model.height), frame_model, "frame is the processed image");
     let mut frame = askgui_data::prompt::PromptConfig::default().frame_map(200, 150)?;
@@ -273,7 +273,7 @@ fn screenshot_jobs_answer_as_alone(started: usize, max_tokens: usize, chunk: usi
             .iter()
             .map(|&(w, h)| {
                 let opts = StepOptions { max_tokens: Some(max_tokens), ..Default::default() };
-                let job = StepJob { screenshot: Some(screenshot(w, h)), ..step_job("Call mum", opts) };
+                let job = StepJob { screenshots: vec![screenshot(w, h)], ..step_job("Call mum", opts) };
                 Job::new(JobKind::Step(job), None)
             })
             .collect::<Vec<_>>()
@@ -398,7 +398,7 @@ fn prompt_prefixes_are_reused_only_where_they_match() -> anyhow::Result<()> {
 
     // Same words, another screenshot of the same size: reuse stops before the image.
     let mut other = step_job("Buy milk", opts.clone());
-    let shot = other.screenshot.as_mut().unwrap();
+    let shot = other.screenshots.last_mut().unwrap();
     shot.hash ^= 1;
     shot.image = Arc::new(image::RgbImage::from_pixel(200, 150, image::Rgb([200, 10, 10])));
     let r = b.step(&other, NEVER)?;

@@ -190,11 +190,12 @@ fn eval_trainer_and_data_agree(f: Family) {
     }
 }
 
-/// askgui-serve's backend as `askgui-serve --model FIXTURE --max-pixels 12544` loads it.
+/// askgui-serve's backend as `askgui-serve --model FIXTURE --max-pixels 12544 --history-images 1` loads it.
 fn server_config(f: Family) -> Config {
     let mut cfg = Config::for_model(fixture(f).display().to_string());
     cfg.port = 0;
     cfg.max_pixels = Some(MAX_PIXELS);
+    cfg.history_images = Some(1);
     cfg
 }
 
@@ -209,8 +210,9 @@ fn the_server_asks_and_answers_as_eval_and_the_trainer_do() {
 fn server_agrees(f: Family) {
     let path = episodes(&format!("server-{}", f.fixture));
     let inputs: Vec<StepInput> = loaded(&path).iter().flat_map(steps).collect();
-    let (eval, trainer) = (eval_agent(f, 0), trainer_agent(f, 0));
-    let samples = training_prompts(f, &path, 0);
+    // Two screenshots from the second step on: the request carries the earlier ones.
+    let (eval, trainer) = (eval_agent(f, 1), trainer_agent(f, 1));
+    let samples = training_prompts(f, &path, 1);
     let cfg = server_config(f);
     let backend = ModelBackend::load(&ModelBackendConfig::from(&cfg)).unwrap();
     let mb = ModelBackendConfig::from(&cfg);
@@ -232,15 +234,19 @@ fn server_agrees(f: Family) {
         backoff_ms: 10,
         options: options(),
         elements: true,
+        history_images: None,
     })
     .unwrap();
     for (input, sample) in inputs.iter().zip(&samples) {
         let what = format!("{} step {} ({} history turns)", input.episode_id, input.step, input.history.len());
         // The request eval sends, decoded as the server's route decodes it.
         let request = client.request(input).unwrap();
-        let bytes = request.observation.screenshot_bytes().unwrap().expect("a screenshot");
-        let shot = askgui_serve::images::decode(&bytes, cfg.max_image_pixels, "screenshot").unwrap();
-        let job = StepJob { request, screenshot: Some(shot) };
+        let decode = |bytes: Vec<u8>| askgui_serve::images::decode(&bytes, cfg.max_image_pixels, "screenshot").unwrap();
+        let mut shots: Vec<_> =
+            request.observation.earlier_screenshot_bytes(1).unwrap().into_iter().map(decode).collect();
+        shots.push(decode(request.observation.screenshot_bytes().unwrap().expect("a screenshot")));
+        assert_eq!(shots.len(), input.step.min(1) + 1, "{what}: the screenshots the request carries");
+        let job = StepJob { request, screenshots: shots };
         let served = backend.runtime().prompt(&askgui_serve::model_backend::runtime_step(&job)).unwrap().ids;
         assert_eq!(served, ids(&eval, input), "{what}: the server and eval differ");
         assert_eq!(served, ids(&trainer, input), "{what}: the server and the trainer's eval differ");

@@ -3,12 +3,13 @@
 //!
 //! `base` is the server root, e.g. `http://localhost:8080`, with or without a trailing slash; a base that
 //! already ends in `/v1` is refused with a hint rather than silently doubled. Each step sends the task,
-//! the *current* screenshot (a base64 `data:` URL; PNG and JPEG as they are, anything else re-encoded as
-//! PNG), the screen size, the history in screen pixels, the adapter name if any, greedy decoding and the
-//! token cap; the step's element list goes along when `--elements` is given, as it enters the prompt of
-//! the other backends. The server builds the prompt and converts coordinates itself, so `--frame`,
-//! `--min-pixels`, `--max-pixels` and `--history-images` do not apply here, and the answer's `action` is
-//! already in screen pixels.
+//! the current screenshot (a base64 `data:` URL; PNG and JPEG as they are, anything else re-encoded as
+//! PNG), the earlier steps' screenshots (the last `--history-images` of them when given, else the last
+//! [`MAX_EARLIER_SCREENSHOTS`]: the server shows the last ones its model was trained with), the screen
+//! size, the history in screen pixels, the adapter name if any, greedy decoding and the token cap; the
+//! step's element list goes along when `--elements` is given, as it enters the prompt of the other
+//! backends. The server builds the prompt and converts coordinates itself, so `--frame`, `--min-pixels`
+//! and `--max-pixels` do not apply here, and the answer's `action` is already in screen pixels.
 //!
 //! Transport errors, timeouts, 429, 5xx and a 200 whose body is not an `AgentStepResponse` are retried
 //! with exponential backoff (a `Retry-After` in seconds is honoured, up to 60 s); any other 4xx is final,
@@ -17,7 +18,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, ApiError, Observation, StepOptions, STEP_PATH};
+use askgui_data::agent_api::{
+    AgentStepRequest, AgentStepResponse, ApiError, Observation, StepOptions, MAX_EARLIER_SCREENSHOTS, STEP_PATH,
+};
 
 use super::http::{post_json, snippet, with_retries, Failure};
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
@@ -39,6 +42,9 @@ pub struct EndpointConfig {
     pub options: StepOptions,
     /// Send the step's element list.
     pub elements: bool,
+    /// How many earlier screenshots to send (at most [`MAX_EARLIER_SCREENSHOTS`], the default): the server
+    /// shows the last ones its prompt settings name.
+    pub history_images: Option<usize>,
 }
 
 /// An askgui-serve server as an agent.
@@ -104,10 +110,14 @@ impl EndpointAgent {
                 input.episode_id, input.step
             )));
         };
+        let earlier = &input.screenshots[..input.screenshots.len() - 1];
+        let k = self.cfg.history_images.unwrap_or(MAX_EARLIER_SCREENSHOTS).min(MAX_EARLIER_SCREENSHOTS);
+        let earlier = &earlier[earlier.len().saturating_sub(k)..];
         Ok(AgentStepRequest {
             task: input.task.clone(),
             observation: Observation {
                 screenshot: Some(screenshot_data_url(current)?),
+                earlier_screenshots: earlier.iter().map(|p| screenshot_data_url(p)).collect::<Result<_, _>>()?,
                 elements: if self.cfg.elements { input.elements.clone() } else { None },
                 screen: Some(input.screen),
             },

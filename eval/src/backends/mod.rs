@@ -148,6 +148,7 @@ pub fn from_args(a: &BackendArgs) -> anyhow::Result<Box<dyn Agent>> {
             backoff_ms: a.backoff_ms,
             options,
             elements: a.prompt.elements.unwrap_or(false),
+            history_images: a.prompt.history_images,
         };
         return Ok(Box::new(EndpointAgent::new(cfg)?));
     }

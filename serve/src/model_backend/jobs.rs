@@ -18,14 +18,14 @@ pub(super) struct Jobs {
     pub(super) info: BackendInfo,
 }
 
-/// The runtime's step for an agent-API request: its one screenshot (or none, with `observation.screen`
-/// and an element list), its history and its elements.
+/// The runtime's step for an agent-API request: its screenshots (the earlier ones the prompt shows, then
+/// the current one; or none, with `observation.screen` and an element list), its history and its elements.
 pub fn runtime_step(job: &StepJob) -> Step<'_> {
     let obs = &job.request.observation;
     Step {
         task: &job.request.task,
         history: &job.request.history,
-        screenshots: job.screenshot.as_slice(),
+        screenshots: &job.screenshots,
         elements: obs.elements.as_deref(),
         screen: obs.screen.as_ref().map(|s| (s.width, s.height)),
     }
