@@ -33,7 +33,12 @@ Output: one JSON line on stdout; progress on stderr. Run with the venv that has 
         [--binary target/release/askgui-serve] [--model model/tests/fixtures/tiny-qwen2_5_vl] [--port PORT]
         [--askgui-only]
 
-The server is stopped before transformers runs, so the two never share the CPU.
+The server is stopped before transformers runs, so the two never share the CPU (or the GPU).
+
+On a GPU (`--device cuda`): the server runs `--device cuda` (bf16), transformers in bf16 on the same GPU;
+`--api openai` sends OpenAI chat completions (the screenshot as a data URL) instead of agent steps. Each
+level also reports p99 and, for askgui-serve, the time to first token from its own timings (queue +
+preprocess + prefill), and counts the answers by status: under load every answer must be 200 or 429.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def pct_summary(seconds: list[float]) -> dict:
         "n": len(ms),
         "p50_ms": round(lt.percentile(ms, 50), 1),
         "p95_ms": round(lt.percentile(ms, 95), 1),
+        "p99_ms": round(lt.percentile(ms, 99), 1),
         "mean_ms": round(sum(ms) / len(ms), 1),
     }
 
@@ -83,51 +89,78 @@ def screenshots(n: int, width: int, height: int, seed0: int) -> list[bytes]:
 # askgui-serve
 
 
-def timed_step(url: str, body: bytes, timeout: float) -> tuple[float, dict]:
+CHAT_PATH = "/v1/chat/completions"
+
+
+def chat_body(model: str, png: bytes, max_tokens: int) -> bytes:
+    """An OpenAI chat completion with the task and the screenshot as a data URL, greedy."""
+    content = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + lt.b64(png)}},
+        {"type": "text", "text": TASK},
+    ]
+    req = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+           "temperature": 0}
+    return json.dumps(req).encode()
+
+
+def timed_step(url: str, body: bytes, timeout: float) -> tuple[float, int | None, dict | None]:
+    """(seconds, HTTP status, the answer when 200)."""
     t0 = time.perf_counter()
     rep = lt.http(url, body, timeout)
     dt = time.perf_counter() - t0
-    if rep.status != 200:
-        raise RuntimeError(f"step answered {rep.status}: {rep.error or rep.body[:300]!r}")
-    return dt, json.loads(rep.body)
+    return dt, rep.status, json.loads(rep.body) if rep.status == 200 else None
 
 
-def askgui_level(url: str, pngs: list[bytes], c: int, max_tokens: int, timeout: float) -> dict:
-    bodies = [lt.step_body(TASK, lt.b64(p), max_tokens) for p in pngs]
+def askgui_level(url: str, bodies: list[bytes], c: int, timeout: float, api: str) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=c) as pool:
         results = list(pool.map(lambda b: timed_step(url, b, timeout), bodies))
     wall = time.perf_counter() - t0
-    lat = [dt for dt, _ in results]
-    answers = [a for _, a in results]
-    return {
-        **pct_summary(lat),
-        "actions_per_s": round(len(results) / wall, 3),
-        "wall_s": round(wall, 2),
-        "server_timings_mean_ms": lt.mean_of(
-            [a["timings"] for a in answers], ["queue_ms", "preprocess_ms", "prefill_ms", "decode_ms"]
-        ),
-        "completion_tokens_mean": lt.mean_of([a["usage"] for a in answers], ["completion_tokens"])[
-            "completion_tokens"
-        ],
-        "actions": sorted({a["action"]["action"] for a in answers}),
-    }
+    statuses: dict[str, int] = {}
+    for _, status, _ in results:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    ok = [(dt, a) for dt, _, a in results if a is not None]
+    if not ok:
+        raise RuntimeError(f"no request answered 200 at c={c}: {statuses}")
+    out = {**pct_summary([dt for dt, _ in ok]), "actions_per_s": round(len(ok) / wall, 3),
+           "wall_s": round(wall, 2), "statuses": statuses}
+    answers = [a for _, a in ok]
+    if api == "agent":
+        timings = [a["timings"] for a in answers]
+        ttft = [t["queue_ms"] + t["preprocess_ms"] + t["prefill_ms"] for t in timings]
+        out.update(
+            server_timings_mean_ms=lt.mean_of(timings, ["queue_ms", "preprocess_ms", "prefill_ms", "decode_ms"]),
+            ttft_p50_ms=round(lt.percentile(ttft, 50), 1),
+            ttft_p99_ms=round(lt.percentile(ttft, 99), 1),
+            completion_tokens_mean=lt.mean_of([a["usage"] for a in answers], ["completion_tokens"])[
+                "completion_tokens"],
+            actions=sorted({a["action"]["action"] for a in answers}),
+        )
+    return out
 
 
 def askgui_side(args, pngs_by_c: dict[int, list[bytes]]) -> tuple[dict, dict]:
     """Returns (results per concurrency, the usage of a warm-up answer)."""
-    with lt.Server(args.binary, args.model, args.port) as srv:
-        log(f"askgui-serve ready in {srv.wait_ready():.2f} s")
+    extra = ["--device", args.device] + (["--dtype", "bf16"] if args.device == "cuda" else [])
+    with lt.Server(args.binary, args.model, args.port, extra=extra) as srv:
+        log(f"askgui-serve ready in {srv.wait_ready(timeout=600):.2f} s")
         url = srv.url + lt.STEP_PATH
         warm = screenshots(2, args.width, args.height, seed0=900)
         usage = None
         for p in warm:
-            _, ans = timed_step(url, lt.step_body(TASK, lt.b64(p), args.max_tokens), args.timeout)
+            _, status, ans = timed_step(url, lt.step_body(TASK, lt.b64(p), args.max_tokens), args.timeout)
+            if ans is None:
+                raise RuntimeError(f"the warm-up step answered {status}:\n{srv.log_tail()}")
             usage = ans["usage"]
         log(f"askgui-serve usage of a warm-up answer: {usage}")
+        model_id = json.loads(lt.http(srv.url + "/health", timeout=5).body)["model"]
+        if args.api == "openai":
+            url = srv.url + CHAT_PATH
         out = {}
         for c, pngs in pngs_by_c.items():
-            out[str(c)] = askgui_level(url, pngs, c, args.max_tokens, args.timeout)
+            bodies = [lt.step_body(TASK, lt.b64(p), args.max_tokens) if args.api == "agent"
+                      else chat_body(model_id, p, args.max_tokens) for p in pngs]
+            out[str(c)] = askgui_level(url, bodies, c, args.timeout, args.api)
             log(f"askgui-serve c={c}: {out[str(c)]}")
         out["rss_mib_end"] = round(srv.rss_mib() or 0.0, 1)
     return out, usage
@@ -137,7 +170,7 @@ def askgui_side(args, pngs_by_c: dict[int, list[bytes]]) -> tuple[dict, dict]:
 # transformers
 
 
-def load_hf(model_dir: Path, attn: str):
+def load_hf(model_dir: Path, attn: str, device: str):
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -152,9 +185,10 @@ def load_hf(model_dir: Path, attn: str):
     if prep_path.exists():
         prep = json.loads(prep_path.read_text())
         min_pixels, max_pixels = prep.get("min_pixels", min_pixels), prep.get("max_pixels", max_pixels)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation=attn
-    ).eval()
+        str(model_dir), dtype=dtype, attn_implementation=attn
+    ).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     processor = mf.make_processor(kind, tokenizer, min_pixels, max_pixels)
     processor.tokenizer.padding_side = "left"
@@ -194,10 +228,12 @@ def hf_generate(model, processor, text: str, pngs: list[bytes], gen_kwargs: dict
 
     t0 = time.perf_counter()
     images = [Image.open(io.BytesIO(p)).convert("RGB") for p in pngs]
-    inputs = processor(text=[text] * len(pngs), images=images, return_tensors="pt", padding=True)
+    inputs = processor(text=[text] * len(pngs), images=images, return_tensors="pt", padding=True).to(model.device)
     t1 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**inputs, **gen_kwargs)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     t2 = time.perf_counter()
     return t2 - t0, t1 - t0, int(out.shape[1] - inputs["input_ids"].shape[1])
 
@@ -228,7 +264,7 @@ def hf_side(args, pngs_by_c: dict[int, list[bytes]], usage: dict) -> dict:
     from PIL import Image
 
     torch.set_num_threads(args.threads)
-    model, processor = load_hf(args.model, args.attn)
+    model, processor = load_hf(args.model, args.attn, args.device)
     sample = Image.open(io.BytesIO(next(iter(pngs_by_c.values()))[0])).convert("RGB")
     text, n_prompt, n_img = matching_prompt(processor, sample, usage["prompt_tokens"])
     log(f"transformers prompt: {n_prompt} tokens ({n_img} image), server: {usage}")
@@ -246,6 +282,8 @@ def hf_side(args, pngs_by_c: dict[int, list[bytes]], usage: dict) -> dict:
         "image_tokens": n_img,
         "new_tokens": args.max_tokens,
         "attn": model.config._attn_implementation,
+        "device": args.device,
+        "peak_mem_allocated_bytes": None,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -253,6 +291,8 @@ def hf_side(args, pngs_by_c: dict[int, list[bytes]], usage: dict) -> dict:
     for c, pngs in pngs_by_c.items():
         out[str(c)] = hf_level(model, processor, text, pngs, c, gen_kwargs, args.max_tokens)
         log(f"transformers c={c}: {out[str(c)]}")
+    if args.device == "cuda":
+        out["peak_mem_allocated_bytes"] = torch.cuda.max_memory_allocated()
     return out
 
 
@@ -266,6 +306,7 @@ def ratios(ask: dict, hf: dict, levels: list[int]) -> dict:
         out[str(c)] = {
             "latency_p50_askgui_over_hf": round(a["p50_ms"] / h["p50_ms"], 3),
             "latency_p95_askgui_over_hf": round(a["p95_ms"] / h["p95_ms"], 3),
+            "latency_p99_askgui_over_hf": round(a["p99_ms"] / h["p99_ms"], 3),
             "throughput_askgui_over_hf": round(a["actions_per_s"] / h["actions_per_s"], 3),
         }
     return out
@@ -284,6 +325,9 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=lt.DEFAULT_MODEL)
     ap.add_argument("--port", type=int, default=None, help="default: a free port")
     ap.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run")
+    ap.add_argument("--api", choices=["agent", "openai"], default="agent",
+                    help="askgui-serve's requests: native agent steps, or OpenAI chat completions")
     ap.add_argument(
         "--askgui-only",
         action="store_true",
@@ -308,6 +352,8 @@ def main() -> int:
         "screenshot": f"{args.width}x{args.height} PNG, a fresh one per request",
         "requests_per_level": args.requests,
         "max_tokens": args.max_tokens,
+        "device": args.device,
+        "api": args.api,
         "cpu_cores": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "server_usage": usage,

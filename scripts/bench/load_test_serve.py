@@ -434,6 +434,7 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds during which new requests start")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-queue", type=int, default=None, help="the server's --max-queue (its default if unset)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="the server's --device (bf16 on cuda)")
     ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--port", type=int, default=None, help="default: a free port")
@@ -444,6 +445,8 @@ def main() -> int:
     args = ap.parse_args()
 
     extra = ["--max-queue", str(args.max_queue)] if args.max_queue is not None else []
+    if args.device is not None:
+        extra += ["--device", args.device] + (["--dtype", "bf16"] if args.device == "cuda" else [])
     t_start = time.monotonic()
     server = Server(args.binary, args.model, args.port, extra)
     try:

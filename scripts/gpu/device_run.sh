@@ -12,6 +12,10 @@
 #                                         # Liger, whose wheel travels in target/wheels); the ops (the fused
 #                                         # loss against Liger's), attention (1k, 4k, 8k and vision) and
 #                                         # tiling beside PyTorch
+#   scripts/gpu/device_run.sh OUT serve   # ~8 min: askgui-serve under load on the GPU (issue 50): the 3B-shaped
+#                                         # checkpoint, 1080x2400 screenshots, concurrency 1, 16 and 64 beside
+#                                         # transformers' batched generate; OpenAI chat requests; a 64-client
+#                                         # load run (every answer 200 or 429, GPU memory sampled)
 #   scripts/gpu/device_run.sh OUT paged   # the paged KV cache: CUDA tests, the server, the decode step, the
 #                                         # 3B-shaped generation (OLD_GENERATE=NAME: also an older build's
 #                                         # generate example, put in the bundle's examples/ as NAME)
@@ -26,8 +30,8 @@
 # the CuPy attention check out of `check` (about 2.5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:?usage: scripts/gpu/device_run.sh OUT check|model}
-stage=${2:?usage: scripts/gpu/device_run.sh OUT check|model|train|paged}
+out=${1:?usage: scripts/gpu/device_run.sh OUT check|model|train|serve|paged}
+stage=${2:?usage: scripts/gpu/device_run.sh OUT check|model|train|serve|paged}
 bundle=${BUNDLE:-target/gpu-bundle}
 data=target/gpu-data
 work=$(mktemp -d)/$stage
@@ -184,6 +188,25 @@ case $stage in
     step bench-tiling 60 "$bundle/run.sh" --example bench_cuda tiling
     SKIP_CHECK_GPU=1 step torch-kernels 200 scripts/gpu/run_all.sh "$work/torch" attention tiling
     ;;
+  serve)
+    ckpt=target/gpu-bench/qwen3b-random
+    gunzip -c "$data/tokenizer.json.gz" >"$work/tokenizer.json"
+    step checkpoint-3b 240 python3 scripts/fixtures/random_checkpoint.py --shape 3b --device cuda --out "$ckpt" \
+      --tokenizer "$work/tokenizer.json"
+    bench=(python3 scripts/bench/bench_serve.py --device cuda --binary "$bundle/bin/askgui-serve" --model "$ckpt"
+      --width 1080 --height 2400 --max-tokens 32 --timeout 120)
+    step serve-agent 300 gpu_peak "$work/serve-agent.mem" "${bench[@]}" --concurrency 1,16,64 --requests 64
+    grep -h '"ratios"' "$work/serve-agent.log" | python3 -c 'import json, sys; d = json.load(sys.stdin); print("ratios", d["ratios"]); print("askgui 64:", d["askgui"]["64"])' 2>&1 |
+      sed 's/^/    /' >>"$summary"
+    step serve-openai 120 "${bench[@]}" --concurrency 1,16 --requests 32 --api openai --askgui-only
+    step serve-load 150 gpu_peak "$work/serve-load.mem" python3 scripts/bench/load_test_serve.py --device cuda \
+      --binary "$bundle/bin/askgui-serve" --model "$ckpt" --clients 64 --duration 60 --screenshots 200 \
+      --screenshot-size 1080x2400 --max-tokens 32
+    # Flat after warm-up: the used memory 15 s into the load run against its end (samples 200 ms apart).
+    note "    GPU memory (MiB): agent bench peak $(cat "$work/serve-agent.mem" 2>/dev/null); load run peak \
+$(cat "$work/serve-load.mem" 2>/dev/null), at 15 s $(sed -n 75p "$work/serve-load.mem.samples" 2>/dev/null), at the end \
+$(tail -1 "$work/serve-load.mem.samples" 2>/dev/null)"
+    ;;
   paged)
     # The paged KV cache: the CUDA tests (the paged kernel's among them), the server on the CPU against
     # the GPU (its decode steps and action-name forks read the cache through the paged kernel), the paged
@@ -208,7 +231,7 @@ case $stage in
       grep -h '^{' "$work/generate-before.log" | sed 's/^/    before: /' >>"$summary"
     fi
     ;;
-  *) echo "unknown stage $stage: check, model, train or paged" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: check, model, train, serve or paged" >&2; exit 2 ;;
 esac
 tar -C "$(dirname "$work")" --exclude='*.safetensors' -czf "$out/$stage.tar.gz" "$stage"
 note "$stage: $failed failed; logs in $out/$stage.tar.gz"
