@@ -13,6 +13,7 @@
 //! - [`plan`]: every CUDA launch as plain data, run by the GPU executor (`cuda`) or, with the `cpu-exec`
 //!   feature, by [`emu`], which executes the same `.cu` kernels on the CPU with sanitizer-style checks.
 
+pub mod adamw;
 pub mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -61,6 +61,12 @@ inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); 
 
 // ---- device math the kernels use ----
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+// Round-to-nearest arithmetic that nvcc never fuses; the host build has no FMA contraction (no -march).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }

@@ -30,7 +30,7 @@ struct Config {
     window: Option<usize>,
 }
 
-const CONFIGS: [Config; 4] = [
+const CONFIGS: [Config; 5] = [
     Config { name: "decoder-3b", b: 1, hq: 16, hkv: 2, t: 4096, d: 128, causal: true, window: None },
     Config { name: "decoder-3b-1k", b: 1, hq: 16, hkv: 2, t: 1024, d: 128, causal: true, window: None },
     Config { name: "decoder-3b-8k", b: 1, hq: 16, hkv: 2, t: 8192, d: 128, causal: true, window: None },

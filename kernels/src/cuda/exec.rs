@@ -20,6 +20,7 @@ use half::bf16;
 /// The PTX module of a plan's kernels: candle's module name and the PTX text.
 fn module(m: Module) -> (&'static str, &'static str) {
     match m {
+        Module::AdamW => ("askgui_adamw", ptx::ADAMW),
         Module::Attention => ("askgui_attention", ptx::ATTENTION),
         Module::AttentionTc => ("askgui_attention_tc", ptx::ATTENTION_TC),
         Module::Norm => ("askgui_norm", ptx::NORM),

@@ -9,6 +9,7 @@
 //! autograd); the CustomOp is tested against the reference's forward and autograd gradient, and against
 //! central finite differences in f64.
 //!
+//! - [`adamw`](mod@adamw): [`adamw_step`] (one fused AdamW update; inference of nothing, no gradient).
 //! - [`norm`]: [`rms_norm`] / [`rms_norm_frozen`], [`layer_norm`] / [`layer_norm_frozen`].
 //! - [`linear`]: [`frozen_linear`] (`x w^T`, gradient for `x` only).
 //! - [`narrow`]: bf16 and int8 frozen weights read panel by panel ([`int8_linear`], inference only).
@@ -27,6 +28,7 @@
 //! layouts are refused with a message that prints the shapes (the public wrappers make inputs contiguous
 //! first). Run the tests with `cargo test -p askgui-kernels --test grad_ops`.
 
+pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod dropout;
@@ -42,6 +44,7 @@ pub mod paged_attention;
 pub mod rope;
 pub mod swiglu;
 
+pub use adamw::adamw_step;
 pub use attention::{attention, attention_replay, attention_saving, AttentionSaved};
 pub use cross_entropy::{cross_entropy_masked, cross_entropy_masked_reference};
 pub use dropout::dropout;

@@ -11,6 +11,7 @@
 //! CPU executor checks (argument kinds and sizes against the kernels' C signatures, launch limits,
 //! barriers, shared memory bounds) is what the GPU will run.
 
+pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod dropout;
@@ -135,6 +136,7 @@ pub fn pod_words(bytes: &[u8]) -> Vec<u64> {
 /// The `.cu` file (and PTX module) a kernel lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Module {
+    AdamW,
     Attention,
     AttentionTc,
     Norm,
@@ -149,6 +151,7 @@ impl Module {
     /// The file stem: `cuda/<name>.cu`.
     pub fn name(self) -> &'static str {
         match self {
+            Module::AdamW => "adamw",
             Module::Attention => "attention",
             Module::AttentionTc => "attention_tc",
             Module::Norm => "norm",

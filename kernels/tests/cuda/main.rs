@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod adamw;
 mod attention;
 mod dropout;
 mod norm_rope_ce;

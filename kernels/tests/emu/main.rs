@@ -14,6 +14,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod adamw;
 mod attention;
 mod checks;
 mod cross_entropy;
