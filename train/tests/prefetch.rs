@@ -1,14 +1,17 @@
-//! `--prefetch`: micro-batches made on a background thread while the step runs change no loss, a
-//! screenshot that cannot be decoded stops the run with the same error as inline and never hangs it, and
-//! a sample's pixels are its screenshots' rows in prompt order.
+//! `--prefetch`: micro-batches made on a background thread while the step runs change no loss, an
+//! interrupt stops the thread and the run resumes bitwise, a screenshot that cannot be decoded stops the
+//! run with the same error as inline and never hangs it, and a sample's pixels are its screenshots' rows
+//! in prompt order.
 //!
 //! On the tiny fixture with synthetic episodes and tiny images (`--max-pixels 12544`), seconds each.
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use askgui_model::{load_image, pixel_rows, preprocess, ImageProcessorConfig, QwenTokenizer};
+use askgui_train::cli::from_args;
 use askgui_train::data::{self, DataOptions};
 use askgui_train::{RunControl, TrainError};
 use candle_core::Device;
@@ -43,6 +46,36 @@ fn prefetch_changes_no_loss() {
     assert_eq!(losses(&inline), losses(&ahead));
     let tokens = |s: &[askgui_train::StepLog]| s.iter().map(|l| (l.tokens, l.computed_tokens)).collect::<Vec<_>>();
     assert_eq!(tokens(&inline), tokens(&ahead));
+}
+
+/// Polls of [`interrupt_at_the_second_poll`].
+static POLLS: AtomicUsize = AtomicUsize::new(0);
+
+/// The trainer polls before each step: this interrupts the run after its first step.
+fn interrupt_at_the_second_poll() -> bool {
+    POLLS.fetch_add(1, Ordering::SeqCst) >= 1
+}
+
+/// An interrupt while the thread holds micro-batches ahead (and is blocked on the full channel) stops the
+/// run after the step in flight with a checkpoint, without hanging; resumed, the run repeats the
+/// uninterrupted one bitwise.
+#[test]
+fn an_interrupted_prefetching_run_stops_and_resumes_bitwise() {
+    let dir = scratch("prefetch-interrupt");
+    let data = episodes(&dir, 1);
+    let flags = "--lr 5e-3 --warmup-steps 0 --max-steps 2 --batch-size 1 --grad-accum 2 --lora-dropout 0.1 \
+        --save-every 10 --lora-rank 4 --seed 4 --prefetch 2";
+    let straight = askgui_train::train(&config(&data, &dir.join("straight"), flags), &RunControl::default()).unwrap();
+    let out = dir.join("part");
+    let cfg = config(&data, &out, flags);
+    let control = RunControl { interrupted: Some(interrupt_at_the_second_poll), ..RunControl::default() };
+    let first = without_hanging(move || askgui_train::train(&cfg, &control).unwrap());
+    assert!(first.interrupted && first.steps.len() == 1, "{:?}", first.steps);
+    let (cfg, control) = from_args(["askgui-train", "--resume", out.to_str().unwrap()]).unwrap();
+    assert_eq!(cfg.data.prefetch, 2, "the saved config keeps --prefetch");
+    let second = askgui_train::train(&cfg, &control).unwrap();
+    let losses = |s: &[askgui_train::StepLog]| s.iter().map(|l| (l.loss, l.grad_norm)).collect::<Vec<_>>();
+    assert_eq!(losses(&[first.steps, second.steps].concat()), losses(&straight.steps));
 }
 
 /// Cuts a PNG inside its first IDAT chunk: the header (and so the size the loader checks) stays readable,
