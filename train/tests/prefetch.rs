@@ -101,9 +101,10 @@ fn an_undecodable_screenshot_stops_the_run_with_the_inline_error() {
     let flags = "--max-steps 4 --batch-size 1 --grad-accum 2 --save-checkpoints false --lora-rank 4";
     let run = |depth: usize| {
         let cfg = config(&data, &dir.join(format!("run-{depth}")), &format!("{flags} --prefetch {depth}"));
-        without_hanging(move || askgui_train::train(&cfg, &RunControl::default()).map(|s| s.steps.len()))
+        let fails = move || askgui_train::train(&cfg, &RunControl::default()).map(|s| s.steps.len()).unwrap_err();
+        without_hanging(fails)
     };
-    let (inline, ahead) = (run(0).unwrap_err(), run(2).unwrap_err());
+    let (inline, ahead) = (run(0), run(2));
     let msg = ahead.to_string();
     eprintln!("{msg}");
     assert!(matches!(ahead, TrainError::Image { step: 1, .. }), "{msg}");
