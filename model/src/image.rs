@@ -5,7 +5,8 @@
 //!
 //! [`preprocess_batch`] does a whole batch for a device: on a CUDA device (feature `cuda`) it runs the GPU
 //! tiling kernels (`askgui_kernels::tiling::cuda`, bit-exact with the CPU path), elsewhere the CPU path,
-//! and logs once which one it uses.
+//! and logs once which one it uses. It is the one place that choice is made: the trainer's batches call it,
+//! and the agent runtime (serve, eval) through [`preprocess_on`].
 
 use std::path::Path;
 
@@ -220,6 +221,35 @@ pub struct PreprocessedBatch {
 static LOG_GPU_PATH: std::sync::Once = std::sync::Once::new();
 static LOG_CPU_PATH: std::sync::Once = std::sync::Once::new();
 
+/// Logs, once per process, that images are preprocessed on the CPU.
+fn log_cpu_path(device: &Device) {
+    LOG_CPU_PATH.call_once(|| tracing::info!(?device, "image preprocessing: CPU path"));
+}
+
+/// Whether [`preprocess_batch`] tiles on `device` with the GPU kernels: a CUDA device in a build with the
+/// `cuda` feature.
+pub fn tiles_on_gpu(device: &Device) -> bool {
+    cfg!(feature = "cuda") && device.is_cuda()
+}
+
+/// One image for a model on `device`: on a CUDA device tiled by the GPU kernels ([`preprocess_batch`]) and
+/// its pixel rows copied back to the host, where the agent runtime caches them by content; elsewhere
+/// [`preprocess`]. The same grid, sizes and errors either way, and the same values (the GPU kernels are
+/// bit-exact with the CPU path by design).
+pub fn preprocess_on(img: &image::RgbImage, cfg: &ImageProcessorConfig, device: &Device) -> Result<ProcessedImage> {
+    if !tiles_on_gpu(device) {
+        log_cpu_path(device);
+        return preprocess(img, cfg);
+    }
+    let b = preprocess_batch(&[img], cfg, device)?;
+    Ok(ProcessedImage {
+        pixel_values: b.pixel_values.flatten_all()?.to_vec1::<f32>()?,
+        grid_thw: b.grid_thw[0],
+        original: b.original[0],
+        resized: b.resized[0],
+    })
+}
+
 /// Preprocesses a batch for `device`: with the GPU tiling kernels on a CUDA device (feature `cuda`), else
 /// with the CPU path ([`preprocess`] per image). Both give the same values and the same errors.
 pub fn preprocess_batch(
@@ -237,7 +267,7 @@ pub fn preprocess_batch(
             done
         }
         None => {
-            LOG_CPU_PATH.call_once(|| tracing::info!(?device, "image preprocessing: CPU path"));
+            log_cpu_path(device);
             if imgs.is_empty() {
                 return Err(ModelError::Tiling { width: 0, height: 0, source: TilingError::EmptyBatch });
             }
@@ -265,6 +295,8 @@ fn tile_on_gpu(
     if !device.is_cuda() {
         return Ok(None);
     }
+    // The trainer's prefetch thread and the server's job threads tile on a device they did not open.
+    crate::device::bind_thread(device)?;
     let refs: Vec<ImageRef> =
         imgs.iter().zip(original).map(|(i, &(width, height))| ImageRef { rgb: i.as_raw(), width, height }).collect();
     let done = tile_batch_cuda(device, &refs, &cfg.tiling(), candle_core::DType::F32).map_err(|e| match e {
@@ -307,6 +339,32 @@ mod tests {
         assert_eq!(batch.grid_thw, single.iter().map(|p| p.grid_thw).collect::<Vec<_>>());
         assert_eq!(batch.resized, single.iter().map(|p| p.resized).collect::<Vec<_>>());
         assert!(matches!(preprocess_batch(&[], &cfg, &Device::Cpu), Err(ModelError::Tiling { .. })));
+        // On the CPU the runtime's entry point is the CPU path itself.
+        assert!(!tiles_on_gpu(&Device::Cpu));
+        assert_eq!(preprocess_on(&imgs[1], &cfg, &Device::Cpu)?.pixel_values, single[1].pixel_values);
+        Ok(())
+    }
+
+    /// On a CUDA device the runtime's images are tiled by the GPU kernels and come back to the host with
+    /// the CPU path's grid and sizes, and its values within one uint8 level of the resized image
+    /// (`1 / 255 / std` normalised): the bound of the kernels' own test (`kernels/tests/cuda/tiling.rs`),
+    /// whose design is bit-exact.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn preprocess_on_cuda_equals_the_cpu_path() -> Result<()> {
+        let Ok(dev) = Device::new_cuda(0) else {
+            println!("SKIPPED: no CUDA device");
+            return Ok(());
+        };
+        let img = image::RgbImage::from_fn(331, 517, |x, y| image::Rgb([(x * 7) as u8, (y * 5) as u8, (x ^ y) as u8]));
+        let cfg = ImageProcessorConfig::default();
+        assert!(tiles_on_gpu(&dev));
+        let (gpu, cpu) = (preprocess_on(&img, &cfg, &dev)?, preprocess(&img, &cfg)?);
+        assert_eq!((gpu.grid_thw, gpu.original, gpu.resized), (cpu.grid_thw, cpu.original, cpu.resized));
+        assert_eq!(gpu.pixel_values.len(), cpu.pixel_values.len());
+        let level = 1.0001 / 255.0 / cfg.image_std.iter().fold(f32::MAX, |a, &b| a.min(b));
+        let worst = gpu.pixel_values.iter().zip(&cpu.pixel_values).map(|(g, c)| (g - c).abs()).fold(0.0, f32::max);
+        assert!(worst <= level, "largest difference {worst}, one level is {level}");
         Ok(())
     }
 

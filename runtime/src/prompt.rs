@@ -14,7 +14,8 @@ use std::sync::{Arc, OnceLock};
 
 use askgui_data::prompt::{render_chatml, step_messages, Rendered, StepContext};
 use askgui_data::{Element, FrameKind, FrameMap, Turn};
-use askgui_model::{load_image, preprocess, ProcessedImage, QwenTokenizer};
+use askgui_model::image::preprocess_on;
+use askgui_model::{load_image, ProcessedImage, QwenTokenizer};
 
 use crate::error::{Result, RuntimeError};
 use crate::runtime::Runtime;
@@ -132,7 +133,7 @@ impl Runtime {
         if let Some(p) = self.images.lock().unwrap_or_else(|p| p.into_inner()).get(&img.hash) {
             return Ok(p);
         }
-        let p = Arc::new(preprocess(&img.image, &self.image_config)?);
+        let p = Arc::new(preprocess_on(&img.image, &self.image_config, &self.device)?);
         let bytes = p.pixel_values.len() * 4;
         self.images.lock().unwrap_or_else(|p| p.into_inner()).insert(img.hash, p.clone(), bytes);
         Ok(p)

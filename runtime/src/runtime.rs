@@ -44,6 +44,8 @@ pub struct Runtime {
     /// and is not a special token.
     pub(crate) string_token: Vec<bool>,
     pub(crate) images: Mutex<ByteCache<u64, std::sync::Arc<askgui_model::ProcessedImage>>>,
+    /// The model's device: screenshots are tiled there ([`askgui_model::image::preprocess_on`]).
+    pub(crate) device: candle_core::Device,
     pub(crate) prefixes: Mutex<PrefixCache>,
     /// Where every sequence's KV blocks come from, and the bound on them.
     pub(crate) kv_pool: Arc<KvPool>,
@@ -95,6 +97,7 @@ impl Runtime {
             closing_tokens,
             string_token,
             images: Mutex::new(ByteCache::new()),
+            device: model.device.clone(),
             prefixes: Mutex::new(PrefixCache::new(DEFAULT_PREFIX_CACHE_BYTES)),
             kv_pool: KvPool::new(0),
             kv_block_bytes: 2

@@ -186,7 +186,20 @@ pub struct DataArgs {
     #[arg(long, default_value_t = 1)]
     #[serde(default = "one_usize")]
     pub region_layer: usize,
+    /// Micro-batches made ahead on a background thread (screenshots decoded, tiled and packed) while the
+    /// step runs; 0 makes each when its turn comes. The losses are the same either way.
+    #[arg(long, default_value_t = 2)]
+    #[serde(default = "two")]
+    pub prefetch: usize,
 }
+
+fn two() -> usize {
+    2
+}
+
+/// The most micro-batches `--prefetch` holds ahead: each holds its screenshots' pixels (device memory on a
+/// GPU), and a few suffice to hide one micro-batch's decoding behind a step.
+pub const MAX_PREFETCH: usize = 16;
 
 fn one_usize() -> usize {
     1
@@ -538,6 +551,13 @@ impl TrainConfig {
         if self.data.region_layer == 0 {
             return bad("--region-layer counts decoder layers from 1".into());
         }
+        if self.data.prefetch > MAX_PREFETCH {
+            return bad(format!(
+                "--prefetch {} would hold that many micro-batches' pixels in memory; use at most {MAX_PREFETCH} \
+                 (0 makes each micro-batch in turn)",
+                self.data.prefetch
+            ));
+        }
         let (l, o) = (&self.lora, &self.optim);
         if o.micro_batch_threads == 0 {
             return bad("--micro-batch-threads must be at least 1 (1: one micro-batch at a time)".into());
@@ -665,6 +685,12 @@ mod tests {
         assert!(e.contains("--region-weight"), "{e}");
         let e = parse(&["--model", "m", "--data", "d", "--region-layer", "0"]).unwrap_err().to_string();
         assert!(e.contains("--region-layer"), "{e}");
+        // Prefetch is on by default, recorded in the saved config, and bounded.
+        assert_eq!(c.data.prefetch, 2);
+        let c = parse(&["--model", "m", "--data", "d", "--prefetch", "0"]).unwrap();
+        assert!(c.to_toml().contains("prefetch = 0"), "{}", c.to_toml());
+        let e = parse(&["--model", "m", "--data", "d", "--prefetch", "17"]).unwrap_err().to_string();
+        assert!(e.contains("--prefetch 17") && e.contains("at most 16"), "{e}");
     }
 
     #[test]

@@ -6,8 +6,8 @@
 //! checked and its size read from the file header (a missing one is an error naming the episode, step and
 //! path), the samples are rendered in ChatML and tokenised, and a sample longer than the context loses
 //! its oldest history (earlier screenshots first, then the oldest history lines) until it fits; that is
-//! counted. Pixels are decoded and preprocessed when a batch is built, so memory does not grow with the
-//! data set.
+//! counted. Pixels are decoded and preprocessed when a batch is built ([`example`], a few micro-batches
+//! ahead of the step on the trainer's prefetch thread), so memory does not grow with the data set.
 //!
 //! Tokenising: [`askgui_runtime::encode_chat`], the agent runtime's own, so what a model is trained on
 //! equals what it is asked at inference token for token: the rendered text is split at the loss spans and
@@ -25,9 +25,9 @@ use std::path::{Path, PathBuf};
 use askgui_data::prompt::SampleKind;
 use askgui_data::prompt::{ChatMessage, Part};
 use askgui_data::{episode_samples, plural, read_episodes, render_chatml, LoadedEpisode, PromptConfig, TaskMode};
-use askgui_model::{load_image, preprocess, ImageProcessorConfig, QwenTokenizer, TrainExample};
+use askgui_model::{load_image, preprocess_batch, ImageProcessorConfig, ModelError, QwenTokenizer, TrainExample};
 use askgui_runtime::encode_chat;
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -483,23 +483,38 @@ fn drop_oldest_history(messages: &mut [ChatMessage]) -> bool {
     false
 }
 
-/// Decodes and preprocesses a sample's screenshots into a [`TrainExample`].
-pub fn example(s: &PreparedSample, cfg: &ImageProcessorConfig, device: &Device) -> Result<TrainExample> {
-    let mut images = Vec::with_capacity(s.images.len());
+/// Decodes and preprocesses a sample's screenshots into a [`TrainExample`] whose pixels are on `device`:
+/// tiled by the GPU kernels on a CUDA device, on the CPU elsewhere ([`preprocess_batch`]). `file` is the
+/// JSONL file the sample came from; an error names it, the sample and the screenshot.
+pub fn example(s: &PreparedSample, file: &Path, cfg: &ImageProcessorConfig, device: &Device) -> Result<TrainExample> {
+    let mut rows = Vec::with_capacity(s.images.len());
     for (p, grid) in s.images.iter().zip(&s.grids) {
-        let img = preprocess(&load_image(p, cfg.max_input_pixels)?, cfg)?;
-        if img.grid_thw != *grid {
-            return Err(TrainError::Data(format!(
-                "{}: the image gave grid {:?} but its header promised {grid:?}; did the file change?",
-                p.display(),
-                img.grid_thw
+        let err = |reason: String| TrainError::Image {
+            path: file.into(),
+            line: s.line,
+            episode: s.episode.clone(),
+            step: s.step,
+            image: p.clone(),
+            reason,
+        };
+        let reason = |e: ModelError| match e {
+            ModelError::Image { reason, .. } => reason,
+            other => other.to_string(),
+        };
+        let img = load_image(p, cfg.max_input_pixels).map_err(|e| err(reason(e)))?;
+        let done = preprocess_batch(&[&img], cfg, device).map_err(|e| err(reason(e)))?;
+        if done.grid_thw[0] != *grid {
+            return Err(err(format!(
+                "gave grid {:?} but its header promised {grid:?}; did the file change?",
+                done.grid_thw[0]
             )));
         }
-        images.push(img);
+        rows.push(done.pixel_values);
     }
-    let pixel_values = match images.is_empty() {
-        true => None,
-        false => Some(askgui_model::pixel_rows(&images.iter().collect::<Vec<_>>(), device)?),
+    // One image (the usual sample) is used as it is; earlier screenshots are stacked before the current one.
+    let pixel_values = match rows.len() {
+        0 | 1 => rows.pop(),
+        _ => Some(Tensor::cat(&rows, 0)?),
     };
     Ok(TrainExample {
         ids: s.ids.clone(),

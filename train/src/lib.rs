@@ -8,8 +8,8 @@
 //! [`adapter_card`] (`askgui.json`, the prompt and image settings beside each adapter), [`plot`]
 //! (curves.svg), [`bpe`] (a small tokenizer learned from a corpus), [`init`] (random models),
 //! [`agent_eval`] (the agent metrics and sample prediction of the periodic eval, through askgui-eval), [`pack`]
-//! (`--packing`: a step's sequences grouped into padding-free packs) and
-//! [`trainer`] (the loop). The model's training path (LoRA `Var`s, loss and gradients) is askgui-model's;
+//! (`--packing`: a step's sequences grouped into padding-free packs), [`prefetch`] (the next micro-batches
+//! made on a background thread while a step runs) and [`trainer`] (the loop). The model's training path (LoRA `Var`s, loss and gradients) is askgui-model's;
 //! prompts are askgui-data's, the same code that serve and eval use, so a model is trained on exactly the
 //! prompts it will be asked.
 
@@ -36,6 +36,7 @@ pub mod nccl;
 pub mod optim;
 pub mod pack;
 pub mod plot;
+pub mod prefetch;
 pub mod rendezvous;
 pub mod snapshot;
 pub mod trainer;

@@ -1,8 +1,9 @@
 //! The training loop, in one function you can read top to bottom: per step, the samples of the next data
-//! position, micro-batches (forward + backward, gradients accumulated), clipping, the AdamW step, one log
-//! line (tracing, metrics.jsonl, the progress bar), then the periodic eval (the validation loss, the
-//! model run as an agent on validation episodes by askgui-eval, one sample prediction: [`crate::agent_eval`])
-//! and snapshot (with a redrawn curves.svg). Each of these is a named function that `train` calls in order.
+//! position, micro-batches (made ahead on a thread by [`crate::prefetch`]; forward + backward, gradients
+//! accumulated), clipping, the AdamW step, one log line (tracing, metrics.jsonl, the progress bar), then
+//! the periodic eval (the validation loss, the model run as an agent on validation episodes by askgui-eval,
+//! one sample prediction: [`crate::agent_eval`]) and snapshot (with a redrawn curves.svg). Each of these
+//! is a named function that `train` calls in order.
 //!
 //! Accumulation weights each micro-batch's mean loss and gradients by its share of the step's supervised
 //! tokens, so a step's loss and gradient are those of one batch holding all its sequences (the mean over
@@ -26,13 +27,13 @@ use serde::Serialize;
 
 use crate::agent_eval::{self, AgentMetrics, SamplePrediction};
 use crate::config::{Mode, ModelArgs, RunControl, TrainConfig};
-use crate::data::{self, DataOptions, DataStats, Dataset, PreparedSample};
+use crate::data::{self, DataOptions, DataStats, Dataset};
 use crate::data_parallel;
 use crate::distributed::World;
 use crate::error::{io, Result, TrainError};
 use crate::micro_threads::MicroThreads;
 use crate::optim::{clip_grad_norm, AdamW, AdamWParams, Schedule};
-use crate::pack;
+use crate::prefetch::{self, MicroBatch, Planner, Prefetch, StepPlan};
 use crate::snapshot::{self, TrainerState};
 
 /// The adapter's name inside the model.
@@ -128,7 +129,10 @@ fn eval_loss(model: &Qwen2Vl, val: &Dataset, cfg: &TrainConfig, device: &Device)
     let n = if cfg.run.eval_samples > 0 { cfg.run.eval_samples.min(val.samples.len()) } else { val.samples.len() };
     let (mut sum, mut tokens) = (0.0, 0usize);
     for chunk in val.samples[..n].chunks(cfg.optim.batch_size) {
-        let batch = chunk.iter().map(|s| data::example(s, &model.image_config, device)).collect::<Result<Vec<_>>>()?;
+        let batch = chunk
+            .iter()
+            .map(|s| data::example(s, &val.path, &model.image_config, device))
+            .collect::<Result<Vec<_>>>()?;
         let (loss, sup) = model.eval_loss(&batch)?;
         sum += loss * sup as f64;
         tokens += sup;
@@ -265,23 +269,22 @@ pub fn planned_batches(cfg: &TrainConfig, steps: usize) -> Result<Vec<Vec<data::
 struct Run<'a> {
     cfg: &'a TrainConfig,
     device: Device,
-    train: Dataset,
+    /// The training data and the plan of each step over it.
+    planner: Planner,
     val: Option<Dataset>,
     /// The agent eval's validation episodes (none with `--eval-episodes 0` or without `--val`).
     val_episodes: Vec<LoadedEpisode>,
     eval_mode: EvalMode,
     prompt: PromptConfig,
     schedule: Schedule,
-    /// Sequences an optimiser step takes over all ranks: `--batch-size` x `--grad-accum` x ranks.
-    sequences_per_step: usize,
     /// The threads that run `--micro-batch-threads` micro-batches at once.
     threads: MicroThreads,
 }
 
 impl<'a> Run<'a> {
     /// Loads the training and validation data with `model`'s tokenizer and image processor, and derives
-    /// the schedule from the training set's size and the number of data-parallel `ranks`.
-    fn load(cfg: &'a TrainConfig, device: Device, model: &Qwen2Vl, ranks: usize) -> Result<Self> {
+    /// the schedule from the training set's size and the number of data-parallel ranks.
+    fn load(cfg: &'a TrainConfig, device: Device, model: &Qwen2Vl, world: &World) -> Result<Self> {
         let tokenizer = model.tokenizer()?;
         let ic = model.image_config.clone();
         let opts = data_options(cfg, model);
@@ -310,24 +313,13 @@ impl<'a> Run<'a> {
             tracing::warn!("eval: {why}");
         }
         let o = &cfg.optim;
-        let n = train.samples.len();
-        let sequences_per_step = cfg.sequences_per_step() * ranks;
-        let total = if o.max_steps > 0 { o.max_steps } else { o.epochs * data::steps_per_epoch(n, sequences_per_step) };
+        let planner = Planner::new(train, cfg, (world.rank(), world.size()));
+        let n = planner.data.samples.len();
+        let total = if o.max_steps > 0 { o.max_steps } else { o.epochs * data::steps_per_epoch(n, planner.per_step) };
         let warmup = o.warmup_steps.unwrap_or((o.warmup_ratio * total as f64).ceil() as usize);
         let schedule = Schedule { peak: o.lr, warmup, total, min_ratio: o.min_lr_ratio };
         let threads = MicroThreads::new(cfg.optim.micro_batch_threads)?;
-        Ok(Self {
-            cfg,
-            device,
-            train,
-            val,
-            val_episodes,
-            eval_mode,
-            prompt: opts.prompt,
-            schedule,
-            sequences_per_step,
-            threads,
-        })
+        Ok(Self { cfg, device, planner, val, val_episodes, eval_mode, prompt: opts.prompt, schedule, threads })
     }
 
     /// Logs the run's shape, and warns when a resumed snapshot was written by a run of another length or seed.
@@ -343,8 +335,8 @@ impl<'a> Run<'a> {
             );
         }
         tracing::info!(
-            samples = self.train.samples.len(),
-            sequences_per_step = self.sequences_per_step,
+            samples = self.planner.data.samples.len(),
+            sequences_per_step = self.planner.per_step,
             total_steps,
             warmup = self.schedule.warmup,
             trainable_tensors,
@@ -445,22 +437,6 @@ fn step_options(cfg: &TrainConfig, step: usize, micro: usize) -> StepOptions {
     }
 }
 
-/// The micro-batches of a step: `--batch-size` sequences each in data order, or with `--packing` packs of
-/// up to `--max-seq-len` tokens ([`crate::pack`]), at least `--micro-batch-threads` of them when they fit.
-/// Returns each micro-batch's sample indices.
-fn micro_batch_plan(samples: &[&PreparedSample], cfg: &TrainConfig) -> Vec<Vec<usize>> {
-    if !cfg.optim.packing {
-        return (0..samples.len()).collect::<Vec<_>>().chunks(cfg.optim.batch_size).map(<[usize]>::to_vec).collect();
-    }
-    let lens: Vec<usize> = samples.iter().map(|s| s.ids.len()).collect();
-    let (threads, cap) = (cfg.optim.micro_batch_threads, cfg.data.max_seq_len);
-    let packs = pack::first_fit_decreasing(&lens, cap);
-    match packs.len() < threads {
-        true => pack::balanced(&lens, threads, cap).unwrap_or(packs),
-        false => packs,
-    }
-}
-
 /// What the micro-batches of a step computed.
 struct Accumulated {
     /// The gradients in `opt`'s order, weighted by each micro-batch's share of the supervised tokens.
@@ -488,49 +464,40 @@ impl Accumulated {
     }
 }
 
-/// Forward + backward over `samples` in micro-batches ([`micro_batch_plan`]), each micro-batch's loss and
-/// gradients weighted by its share of the step's `supervised` tokens (over all ranks); returns the
-/// accumulated gradients (in `opt`'s order) and this rank's share of the step's loss. `step` is the number
-/// of steps done before this one; `first` is the index of `samples[0]` in the step (it numbers the
-/// micro-batches' dropout seeds across ranks).
+/// Forward + backward over this rank's micro-batches of `plan`, taken from `batches` in plan order, each
+/// micro-batch's loss and gradients weighted by its share of the step's supervised tokens (over all
+/// ranks); returns the accumulated gradients (in `opt`'s order) and this rank's share of the step's loss.
 fn micro_batches(
     model: &Qwen2Vl,
     opt: &AdamW,
-    samples: &[&PreparedSample],
-    supervised: usize,
+    plan: &StepPlan,
+    batches: &mut Prefetch<MicroBatch>,
     run: &Run,
-    (step, first): (usize, usize),
     last: Option<&Path>,
 ) -> Result<Accumulated> {
     let mut acc = Accumulated { grads: vec![None; opt.len()], loss: 0.0, rows: 0 };
     let mut counted = 0;
-    let plan = micro_batch_plan(samples, run.cfg);
-    let one = |micro: usize| -> Result<(usize, StepOutput)> {
-        let batch = plan[micro]
-            .iter()
-            .map(|&i| data::example(samples[i], &model.image_config, &run.device))
-            .collect::<Result<Vec<_>>>()?;
-        let rows = pack::computed_rows(&batch.iter().map(|e| e.ids.len()).collect::<Vec<_>>(), run.cfg.optim.packing);
-        Ok((rows, model.loss_and_grads(&batch, &step_options(run.cfg, step, first + micro))?))
-    };
+    let (step, first) = (plan.step, plan.first);
     // `--micro-batch-threads` of them at once; summed in plan order either way.
-    for start in (0..plan.len()).step_by(run.threads.at_once()) {
-        let n = run.threads.at_once().min(plan.len() - start);
-        for (micro, done) in (start..).zip(run.threads.run(n, |i| one(start + i))) {
-            let (rows, out) = done?;
+    for start in (0..plan.micro.len()).step_by(run.threads.at_once()) {
+        let n = run.threads.at_once().min(plan.micro.len() - start);
+        let ready = (start..start + n).map(|k| prefetch::take(batches, plan, k)).collect::<Result<Vec<_>>>()?;
+        let one = |i: usize| model.loss_and_grads(&ready[i].examples, &step_options(run.cfg, step, first + start + i));
+        for ((micro, done), batch) in (start..).zip(run.threads.run(n, one)).zip(&ready) {
+            let out = done?;
             if !out.loss.is_finite() {
                 return Err(non_finite("loss", out.loss, step + 1, Some(first + micro), last));
             }
-            acc.add(&out, out.supervised_tokens as f64 / supervised as f64, rows, opt)?;
+            acc.add(&out, out.supervised_tokens as f64 / plan.supervised as f64, batch.rows, opt)?;
             counted += out.supervised_tokens;
         }
     }
-    let marked: usize = samples.iter().map(|s| s.supervised_tokens()).sum();
-    if counted != marked {
+    if counted != plan.mine_supervised {
         // The weights above would not sum to 1: the loader's mask and the model's disagree.
         return Err(TrainError::Data(format!(
-            "step {}: the model supervised {counted} tokens where the data marks {marked}",
-            step + 1
+            "step {}: the model supervised {counted} tokens where the data marks {}",
+            step + 1,
+            plan.mine_supervised
         )));
     }
     Ok(acc)
@@ -558,26 +525,22 @@ fn clip_and_step(
     Ok((grad_norm, lr))
 }
 
-/// One optimiser step from `state`: the samples of its data position, this rank's shard of them in
-/// micro-batches, the sums over the ranks ([`data_parallel`]), clip and step. Advances `state` and returns
-/// the step's log (of the whole step, on every rank); `last` is the last good snapshot, which errors name.
+/// One optimiser step from `state`: the samples of its data position ([`Planner::plan`]), this rank's
+/// shard of them in micro-batches (made ahead by `batches`), the sums over the ranks ([`data_parallel`]),
+/// clip and step. Advances `state` and returns the step's log (of the whole step, on every rank); `last`
+/// is the last good snapshot, which errors name.
 fn train_step(
     model: &Qwen2Vl,
     opt: &mut AdamW,
     state: &mut TrainerState,
-    (run, world): (&Run, &World),
+    (run, world, batches): (&Run, &World, &mut Prefetch<MicroBatch>),
     last: Option<&Path>,
     started: Instant,
 ) -> Result<StepLog> {
     let t0 = Instant::now();
-    let n = run.train.samples.len();
-    let (indices, next) = data::step_samples(n, run.sequences_per_step, run.cfg.run.seed, state.position);
-    let samples: Vec<_> = indices.iter().map(|&i| &run.train.samples[i]).collect();
-    let supervised: usize = samples.iter().map(|s| s.supervised_tokens()).sum();
-    let tokens: usize = samples.iter().map(|s| s.ids.len()).sum();
-    let mine = data_parallel::shard(samples.len(), world.rank(), world.size());
-    let (first, mine) = (mine.start, &samples[mine]);
-    let acc = micro_batches(model, opt, mine, supervised, run, (state.step, first), last)?;
+    let plan = run.planner.plan(state.step, state.position);
+    let (next, tokens) = (plan.next, plan.tokens);
+    let acc = micro_batches(model, opt, &plan, batches, run, last)?;
     let Accumulated { mut grads, loss, rows } = acc;
     let mut sums = [loss, rows as f64];
     data_parallel::all_reduce(world, &mut grads, &opt.vars().map(|(_, v)| v.clone()).collect::<Vec<_>>(), &mut sums)?;
@@ -594,9 +557,9 @@ fn train_step(
         loss,
         lr,
         grad_norm,
-        sequences: samples.len(),
+        sequences: plan.sequences,
         tokens,
-        supervised_tokens: supervised,
+        supervised_tokens: plan.supervised,
         computed_tokens: rows as usize,
         tokens_per_s: tokens as f64 / secs.max(1e-9),
         elapsed_s: started.elapsed().as_secs_f64(),
@@ -723,7 +686,7 @@ pub fn train_on(cfg: &TrainConfig, control: &RunControl, world: &World) -> Resul
     let (device, dtype) = pick_device(&cfg.model, ordinal)?;
     world.connect(&device)?;
     let mut model = load_model(cfg, &device, dtype)?;
-    let run = Run::load(cfg, device, &model, world.size())?;
+    let run = Run::load(cfg, device, &model, world)?;
 
     // Adapter and optimiser, fresh or from the snapshot.
     let ckpt = control.resume.as_deref().map(snapshot::find).transpose()?;
@@ -740,7 +703,7 @@ pub fn train_on(cfg: &TrainConfig, control: &RunControl, world: &World) -> Resul
         val_losses: vec![],
         agent_metrics: vec![],
         samples: vec![],
-        train_data: run.train.stats.clone(),
+        train_data: run.planner.data.stats.clone(),
         val_data: run.val.as_ref().map(|v| v.stats.clone()),
         total_steps,
         last_checkpoint: ckpt.clone(),
@@ -750,6 +713,10 @@ pub fn train_on(cfg: &TrainConfig, control: &RunControl, world: &World) -> Resul
     let mut state = TrainerState { total_steps, seed: cfg.run.seed, world_size: world.size(), ..state };
     let started = Instant::now();
     let mut saved_at = ckpt.as_ref().map(|_| state.step);
+    // The micro-batches of the steps this invocation can run, made ahead while the steps run.
+    let end = control.stop_after.map_or(total_steps, |n| n.min(total_steps));
+    let (from, images) = ((state.step, state.position), &model.image_config);
+    let mut batches = run.planner.micro_batches(from, end, images, &run.device, cfg.data.prefetch)?;
 
     while state.step < total_steps {
         if control.stop_after.is_some_and(|n| state.step >= n) {
@@ -762,7 +729,8 @@ pub fn train_on(cfg: &TrainConfig, control: &RunControl, world: &World) -> Resul
             (summary.stopped_early, summary.interrupted) = (true, true);
             break;
         }
-        let log = train_step(&model, &mut opt, &mut state, (&run, world), summary.last_checkpoint.as_deref(), started)?;
+        let last = summary.last_checkpoint.as_deref();
+        let log = train_step(&model, &mut opt, &mut state, (&run, world, &mut batches), last, started)?;
         summary.steps.push(log);
         // Rank 0 alone logs, evaluates and saves.
         let Some(logs) = logs.as_mut() else { continue };
@@ -776,6 +744,8 @@ pub fn train_on(cfg: &TrainConfig, control: &RunControl, world: &World) -> Resul
             saved_at = Some(state.step);
         }
     }
+    // Stops the prefetch thread before the last snapshot.
+    drop(batches);
     let Some(logs) = logs else { return Ok(summary) };
     if summary.stopped_early && cfg.run.save_checkpoints && saved_at != Some(state.step) {
         summary.last_checkpoint = Some(save_snapshot(&model, &opt, &state, cfg, &logs.bar)?);
