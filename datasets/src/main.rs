@@ -25,6 +25,9 @@ enum Command {
         /// Skip opening the screenshots (faster; misses missing or mis-sized images).
         #[arg(long)]
         no_images: bool,
+        /// Also check that this action language can say every action and question.
+        #[arg(long, value_enum)]
+        action_language: Option<askgui_data::ActionLanguage>,
     },
     /// Write the synthetic GUI world: train/val/test JSONL files and their screenshots.
     Synth(synth::SynthArgs),
@@ -102,8 +105,8 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Validate { file, no_images } => {
-            let r = validate::validate_file(&file, !no_images)?;
+        Command::Validate { file, no_images, action_language } => {
+            let r = validate::validate_file_in(&file, !no_images, action_language)?;
             for p in &r.problems {
                 println!("{}: {p}", file.display());
             }
