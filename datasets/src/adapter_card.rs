@@ -1,8 +1,8 @@
 //! `askgui.json`: the prompt and image settings an adapter (or a merged model) was trained with, written
 //! beside `adapter_config.json` by askgui-train and read by askgui-eval and askgui-serve as their defaults.
 //!
-//! Key choice: the card holds exactly what changes what the model sees (the system prompt, the coordinate
-//! frame, the history and element settings, the image processor's pixel bounds), resolved (never "0: the
+//! Key choice: the card holds exactly what changes what the model sees (the system prompt, the action
+//! language, the coordinate frame, the history and element settings, the image processor's pixel bounds), resolved (never "0: the
 //! checkpoint's"), and the one decoding default chosen on data: the pause level `askgui-eval calibrate`
 //! picked on a validation split ([`CardPause`]), which a request's own `pause_threshold` overrides. Unknown keys are ignored and `version` says the layout, so an older reader loads a newer
 //! card. A flag given on the command line still wins over the card, with a warning naming the setting.
@@ -14,6 +14,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::frame::FrameKind;
+use crate::language::ActionLanguage;
 use crate::prompt::{PromptConfig, SystemPrompt};
 
 /// The card's file name, in an adapter or model folder.
@@ -72,6 +73,14 @@ pub struct CardPrompt {
     /// Most recent history lines kept in training prompts (0: all); eval and serve keep every line.
     #[serde(default)]
     pub history_length: usize,
+    /// The action language the model writes; absent (as in every card before languages) for askgui's
+    /// JSON, so a JSON adapter's card reads as it always did.
+    #[serde(default, skip_serializing_if = "is_askgui")]
+    pub action_language: ActionLanguage,
+}
+
+fn is_askgui(l: &ActionLanguage) -> bool {
+    *l == ActionLanguage::AskguiJson
 }
 
 /// The image processor's bounds (they decide the resized frame).
@@ -94,10 +103,17 @@ impl AdapterCard {
                 history_images: prompt.history_images,
                 elements: prompt.elements,
                 history_length,
+                action_language: ActionLanguage::AskguiJson,
             },
             image: CardImage { min_pixels: prompt.min_pixels, max_pixels: prompt.max_pixels },
             pause: None,
         }
+    }
+
+    /// The card of a model that writes `language` (the prompts' own settings do not name it).
+    pub fn with_language(mut self, language: ActionLanguage) -> Self {
+        self.prompt.action_language = language;
+        self
     }
 
     /// The calibrated pause threshold, if any.
@@ -319,6 +335,18 @@ mod tests {
         std::fs::write(dir.join(FILE), "{").unwrap();
         assert!(AdapterCard::read(&dir).unwrap_err().to_string().contains(FILE));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_card_names_a_language_other_than_askguis_json() {
+        let json = serde_json::to_value(card()).unwrap();
+        assert!(json["prompt"].get("action_language").is_none(), "a JSON adapter's card is as before: {json}");
+        let ui_tars = card().with_language(ActionLanguage::UiTars);
+        let v = serde_json::to_value(&ui_tars).unwrap();
+        assert_eq!(v["prompt"]["action_language"], "ui-tars", "the flag's value");
+        assert_eq!(serde_json::from_value::<AdapterCard>(v).unwrap(), ui_tars);
+        let old: AdapterCard = serde_json::from_value(json).unwrap();
+        assert_eq!(old.prompt.action_language, ActionLanguage::AskguiJson, "an older card reads as JSON");
     }
 
     #[test]
