@@ -70,6 +70,9 @@ enum Command {
         /// Output folder: index.html and one page per episode.
         #[arg(long)]
         out: PathBuf,
+        /// Show each action as this action language writes it.
+        #[arg(long, value_enum, default_value_t = askgui_data::ActionLanguage::AskguiJson)]
+        action_language: askgui_data::ActionLanguage,
     },
 }
 
@@ -181,8 +184,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 print!("{s}");
             }
         }
-        Command::Render { file, out } => {
-            let r = render::render_html(&file, &out)?;
+        Command::Render { file, out, action_language } => {
+            let r = render::render_html(&file, &out, action_language)?;
             println!("{} -> {}", plural(r.pages, "page"), r.index.display());
         }
     }
