@@ -314,6 +314,22 @@ mod tests {
     }
 
     #[test]
+    fn the_prompts_tool_is_json_and_lists_the_actions_the_parser_reads() {
+        let prompt = system_prompt(FrameKind::Relative1000);
+        let tool = prompt.split("<tools>\n").nth(1).and_then(|r| r.split("\n</tools>").next()).unwrap();
+        let v: Value = serde_json::from_str(tool).unwrap_or_else(|e| panic!("{e}: {tool}"));
+        assert_eq!(v["function"]["name"], TOOL_NAME);
+        let listed: Vec<&str> = v["function"]["parameters"]["properties"]["action"]["enum"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert_eq!(listed, TOOL_ACTIONS);
+        assert!(prompt.contains("0..1000"), "the frame is said");
+    }
+
+    #[test]
     fn errors_name_the_problem() {
         let e = parse("I would click.").unwrap_err();
         assert!(matches!(e, ParseError::NoLanguageAction { .. }), "{e}");

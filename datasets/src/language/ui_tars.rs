@@ -484,6 +484,15 @@ mod tests {
     }
 
     #[test]
+    fn the_prompt_lists_every_function_the_parser_reads() {
+        let prompt = system_prompt(FrameKind::Resized);
+        let space = &prompt[prompt.find("## Action Space").unwrap()..prompt.find("## Note").unwrap()];
+        let listed: Vec<&str> = space.lines().filter_map(|l| l.split_once('(').map(|(name, _)| name)).collect();
+        assert_eq!(listed, UI_TARS_ACTIONS);
+        assert!(prompt.ends_with("absolute pixels of the screenshot as you see it."), "the frame is said");
+    }
+
+    #[test]
     fn a_bare_call_user_asks_its_thought() {
         let p = parse("Thought: Which account should I use?\nAction: call_user()").unwrap();
         assert_eq!(
