@@ -94,7 +94,7 @@ fn the_official_parser_reads_our_ui_tars_text_as_we_do() {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
-        .expect("node runs");
+        .expect("ASKGUI_UI_TARS_NODE_MODULES is set, so node must be on PATH");
     node.stdin.take().unwrap().write_all(serde_json::to_string(&texts).unwrap().as_bytes()).unwrap();
     let out = node.wait_with_output().unwrap();
     assert!(out.status.success(), "node failed: {}", String::from_utf8_lossy(&out.stdout));
