@@ -58,7 +58,7 @@ right_single(start_box='(x1,y1)')\n\
 long_press(start_box='(x1,y1)')\n\
 drag(start_box='(x1,y1)', end_box='(x3,y3)')\n\
 scroll(start_box='(x1,y1)', direction='down or up or right or left')\n\
-type(content='xxx') # Use escape characters \\', \\\", and \\n in content part to ensure we can parse the content in normal python string format. If you want to submit your input, use \\n at the end of content.\n\
+type(content='xxx') # Write content as a Python string: \\x27 for a quote, \\\\ for a backslash, \\n for a new line. If you want to submit your input, use \\n at the end of content.\n\
 hotkey(key='ctrl c') # Split keys with a space.\n\
 press_home()\n\
 press_back()\n\
@@ -490,6 +490,10 @@ mod tests {
         let listed: Vec<&str> = space.lines().filter_map(|l| l.split_once('(').map(|(name, _)| name)).collect();
         assert_eq!(listed, UI_TARS_ACTIONS);
         assert!(prompt.ends_with("absolute pixels of the screenshot as you see it."), "the frame is said");
+        // The escapes the prompt teaches are the ones the targets use.
+        for c in ["'", "\\", "\n"] {
+            assert!(prompt.contains(&format!(" {} for a", py_escape(c))), "{c:?} -> {}", py_escape(c));
+        }
     }
 
     #[test]
