@@ -33,11 +33,11 @@ pub use episode::{
     load_episodes, read_episodes, write_episodes, Element, Episode, LoadedEpisode, Platform, Screen, Step, StepAsk,
 };
 pub use frame::{FrameKind, FrameMap, ResizeBounds};
-pub use language::{ActionLanguage, Inexpressible};
+pub use language::{ActionLanguage, CompactPrompt, Inexpressible};
 pub use parse::{parse_answer, ParseError, Parsed};
 pub use prompt::{
-    episode_samples, episode_samples_in, render_chatml, step_messages, step_messages_in, ChatMessage, Part,
-    PromptConfig, Sample, SampleKind, SystemPrompt, TaskMode,
+    episode_samples, render_chatml, step_messages, ChatMessage, Part, PromptConfig, Sample, SampleKind, SystemPrompt,
+    TaskMode,
 };
 
 /// `n` and the noun, plural unless `n` is 1 (`1 episode`, `3 episodes`): counts in messages and reports.

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::action::{Action, Turn};
 use crate::episode::{Element, LoadedEpisode};
 use crate::frame::{FrameError, FrameKind, FrameMap, ResizeBounds};
-use crate::language::{ActionLanguage, Inexpressible};
+use crate::language::{ActionLanguage, CompactPrompt, Inexpressible};
 
 /// How prompts are built.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, clap::Args)]
@@ -53,6 +53,10 @@ pub struct PromptConfig {
     #[arg(skip = crate::frame::QWEN2_TOKEN_SIDE)]
     #[serde(default = "crate::frame::qwen2_token_side")]
     pub token_side: usize,
+    /// The action language the model reads and writes (its system prompt, its actions' text).
+    #[arg(long, value_enum, default_value_t = ActionLanguage::AskguiJson)]
+    #[serde(default)]
+    pub action_language: ActionLanguage,
 }
 
 /// Which system prompt the agent is given. A model must be served with the one it was trained with.
@@ -83,11 +87,17 @@ impl Default for PromptConfig {
             elements: false,
             system_prompt: SystemPrompt::Full,
             token_side: crate::frame::QWEN2_TOKEN_SIDE,
+            action_language: ActionLanguage::AskguiJson,
         }
     }
 }
 
 impl PromptConfig {
+    /// Whether the options go together: the compact system prompt is askgui JSON's alone.
+    pub fn check(&self) -> Result<(), CompactPrompt> {
+        self.action_language.check_system_prompt(self.system_prompt)
+    }
+
     pub fn frame_map(&self, width: u32, height: u32) -> Result<FrameMap, FrameError> {
         FrameMap::new(
             self.frame,
@@ -169,6 +179,8 @@ pub struct StepContext<'a> {
     pub elements: Option<&'a [Element]>,
     pub frame: FrameMap,
     pub system: SystemPrompt,
+    /// The language of the system prompt and of the history's actions.
+    pub language: ActionLanguage,
 }
 
 /// The history lines, each action in `language`; element ids only when the prompt lists the elements
@@ -196,14 +208,10 @@ fn history_text(
     Ok(out)
 }
 
-/// Chat messages for one step, without the target, in askgui's JSON language.
-pub fn step_messages(ctx: &StepContext) -> Vec<ChatMessage> {
-    step_messages_in(ctx, ActionLanguage::AskguiJson).expect("the JSON language expresses every action")
-}
-
-/// Chat messages for one step, without the target: `language`'s system prompt, and the history's
-/// actions in `language`. An earlier action the language cannot say is an error naming it.
-pub fn step_messages_in(ctx: &StepContext, language: ActionLanguage) -> Result<Vec<ChatMessage>, Inexpressible> {
+/// Chat messages for one step, without the target: the language's system prompt, and the history's
+/// actions in the language. An earlier action the language cannot say is an error naming it.
+pub fn step_messages(ctx: &StepContext) -> Result<Vec<ChatMessage>, Inexpressible> {
+    let language = ctx.language;
     let mut content = vec![Part::Text { text: format!("Task: {}\n", ctx.task) }];
     if !ctx.history.is_empty() {
         let history = history_text(ctx.history, &ctx.frame, ctx.elements.is_some(), language)?;
@@ -293,24 +301,18 @@ pub const DESCRIBE_TASK: &str = "Read the screen";
 pub enum SampleError {
     #[error(transparent)]
     Frame(#[from] FrameError),
+    #[error(transparent)]
+    Compact(#[from] CompactPrompt),
     #[error("episode `{episode}` step {step}: {source}")]
     Inexpressible { episode: String, step: usize, source: Inexpressible },
 }
 
-/// Every training sample of an episode, in askgui's JSON language.
-pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -> Result<Vec<Sample>, SampleError> {
-    episode_samples_in(ep, cfg, mode, ActionLanguage::AskguiJson)
-}
-
-/// Every training sample of an episode, its prompts and targets in `language`. A target is the
-/// language's [`ActionLanguage::normal_form`] of the step's action, so that it is what parsing the
+/// Every training sample of an episode, its prompts and targets in `cfg`'s action language. A target is
+/// the language's [`ActionLanguage::normal_form`] of the step's action, so that it is what parsing the
 /// target text gives back.
-pub fn episode_samples_in(
-    ep: &LoadedEpisode,
-    cfg: &PromptConfig,
-    mode: TaskMode,
-    language: ActionLanguage,
-) -> Result<Vec<Sample>, SampleError> {
+pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -> Result<Vec<Sample>, SampleError> {
+    cfg.check()?;
+    let language = cfg.action_language;
     let e = &ep.episode;
     let frame = cfg.frame_map(e.screen.width, e.screen.height)?;
     let ambiguous = mode == TaskMode::Ambiguous && e.is_ambiguous();
@@ -341,11 +343,12 @@ pub fn episode_samples_in(
                 elements,
                 frame,
                 system: cfg.system_prompt,
+                language,
             };
             // Without the element list in the prompt, the target is the point alone.
             let target = frame.action_to_model(target);
             let target = if elements.is_some() { target } else { target.without_element() };
-            let mut messages = step_messages_in(&ctx, language).map_err(named)?;
+            let mut messages = step_messages(&ctx).map_err(named)?;
             messages.push(ChatMessage::text("assistant", language.render(&target).map_err(named)?, true));
             let target = language.normal_form(&target);
             out.push(Sample { episode: e.id.clone(), step: i, kind, messages, target });

@@ -305,9 +305,8 @@ fn validation_and_samples_name_the_step_a_language_cannot_say() {
     askgui_data::validate::check_language(&ep.episode, ActionLanguage::AskguiJson, &mut |s, m| json.push((s, m)));
     assert!(json.is_empty(), "askgui's JSON says everything: {json:?}");
 
-    let cfg = askgui_data::PromptConfig::default();
-    let e =
-        askgui_data::episode_samples_in(&ep, &cfg, askgui_data::TaskMode::Full, ActionLanguage::UiTars).unwrap_err();
+    let cfg = askgui_data::PromptConfig { action_language: ActionLanguage::UiTars, ..Default::default() };
+    let e = askgui_data::episode_samples(&ep, &cfg, askgui_data::TaskMode::Full).unwrap_err();
     assert!(e.to_string().contains("episode `e7` step 1") && e.to_string().contains("`click`"), "{e}");
 }
 
@@ -315,9 +314,10 @@ fn validation_and_samples_name_the_step_a_language_cannot_say() {
 fn samples_speak_the_language_in_the_prompt_history_and_target() {
     let ep = episode(vec![Click(Target::point(100, 200)), Type { text: "soup".into() }]);
     // 1000x2000 relative: (100, 200) is (100, 100) in 0-1000.
-    let cfg = askgui_data::PromptConfig { frame: FrameKind::Relative1000, ..Default::default() };
+    let json = askgui_data::PromptConfig { frame: FrameKind::Relative1000, ..Default::default() };
     for lang in LANGUAGES {
-        let s = askgui_data::episode_samples_in(&ep, &cfg, askgui_data::TaskMode::Full, lang).unwrap();
+        let cfg = askgui_data::PromptConfig { action_language: lang, ..json.clone() };
+        let s = askgui_data::episode_samples(&ep, &cfg, askgui_data::TaskMode::Full).unwrap();
         let last = &s[1].messages;
         let text = |i: usize| match &last[i].content[0] {
             askgui_data::Part::Text { text } => text.clone(),
@@ -333,8 +333,17 @@ fn samples_speak_the_language_in_the_prompt_history_and_target() {
         assert_eq!(text(2), lang.render(&s[1].target).unwrap());
         assert_eq!(lang.parse(&text(2)).unwrap().action, s[1].target);
     }
-    // The default is today's: the same samples as episode_samples.
-    let json =
-        askgui_data::episode_samples_in(&ep, &cfg, askgui_data::TaskMode::Full, ActionLanguage::AskguiJson).unwrap();
-    assert_eq!(json, askgui_data::episode_samples(&ep, &cfg, askgui_data::TaskMode::Full).unwrap());
+    assert_eq!(json.action_language, ActionLanguage::AskguiJson, "the default language is today's JSON");
+}
+
+#[test]
+fn the_compact_prompt_is_refused_in_a_language_other_than_json() {
+    let ep = episode(vec![Click(Target::point(100, 200))]);
+    let compact = askgui_data::PromptConfig { system_prompt: askgui_data::SystemPrompt::Compact, ..Default::default() };
+    assert!(askgui_data::episode_samples(&ep, &compact, askgui_data::TaskMode::Full).is_ok());
+    for lang in [ActionLanguage::UiTars, ActionLanguage::ToolCall] {
+        let cfg = askgui_data::PromptConfig { action_language: lang, ..compact.clone() };
+        let e = askgui_data::episode_samples(&ep, &cfg, askgui_data::TaskMode::Full).unwrap_err().to_string();
+        assert!(e.contains("--system-prompt compact") && e.contains(lang.name()), "{e}");
+    }
 }

@@ -11,6 +11,8 @@
 //! required keys and brackets are always written, so a constrained answer can exceed it by those. Without `constrain` the model writes the rest freely and an answer
 //! that does not parse is an error.
 
+use askgui_data::ActionLanguage;
+
 use crate::decoding::Decoding;
 use crate::error::{Result, RuntimeError};
 use crate::runtime::{Runtime, MAX_INT_DIGITS};
@@ -295,8 +297,9 @@ impl Runtime {
         self.force(dec, text, "\"]")
     }
 
-    /// The rest of the answer decoded freely, until the object closes, a stop token, or the budget.
-    pub(crate) fn free_args(&self, dec: &mut Decoding, text: &mut String) -> Result<()> {
+    /// The rest of the answer decoded freely, until the language's answer closes
+    /// ([`ActionLanguage::answer_closed`]), a stop token, or the budget.
+    pub(crate) fn free_args(&self, dec: &mut Decoding, text: &mut String, language: ActionLanguage) -> Result<()> {
         let mut toks = Vec::new();
         let start = text.len();
         while dec.generated < dec.budget {
@@ -310,7 +313,7 @@ impl Runtime {
             dec.generated += 1;
             text.truncate(start);
             text.push_str(&self.tokenizer.decode(&toks, true)?);
-            if askgui_data::parse::json_object_spans(text).first().is_some_and(|r| r.start == 0) {
+            if language.answer_closed(text) {
                 break;
             }
         }

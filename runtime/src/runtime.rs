@@ -56,6 +56,13 @@ impl Runtime {
     /// model's image processor's (set them with [`apply_image_bounds`] first), so the frame in the prompt
     /// is always the size of the image the model sees.
     pub fn new(model: &Qwen2Vl, prompt: PromptConfig) -> Result<Self> {
+        prompt.check().map_err(|e| RuntimeError::BadInput(e.to_string()))?;
+        if prompt.action_language != askgui_data::ActionLanguage::AskguiJson {
+            tracing::info!(
+                language = prompt.action_language.name(),
+                "answers in this action language are decoded freely (no constrained grammar for it yet)"
+            );
+        }
         let tokenizer = model.tokenizer()?;
         let mut stop_tokens = model.eos_token_ids.clone();
         if let Some(id) = tokenizer.token_id(IM_END) {

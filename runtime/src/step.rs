@@ -8,9 +8,8 @@
 
 use std::time::Instant;
 
-use askgui_data::action::ACTION_NAMES;
 use askgui_data::agent_api::{AgentStepResponse, FrameInfo, StepOptions, Timings, Usage};
-use askgui_data::{Action, FrameMap};
+use askgui_data::{Action, ActionLanguage, FrameMap};
 
 use crate::constrained::Schema;
 use crate::decoding::Decoding;
@@ -40,7 +39,8 @@ impl StepOutput {
     pub fn into_response(self) -> Result<AgentStepResponse> {
         let (action, model_action) = self.parsed.map_err(|e| {
             RuntimeError::Internal(format!(
-                "the model's answer does not parse ({e}); leave options.constrain on to get one that does"
+                "the model's answer does not parse ({e}); in askgui's JSON language, leave options.constrain on \
+                 to get one that does"
             ))
         })?;
         Ok(AgentStepResponse {
@@ -58,6 +58,22 @@ impl StepOutput {
 }
 
 impl Runtime {
+    /// Whether the step's arguments are constrained: `options.constrain`, on by default in askgui's JSON
+    /// language. The other languages have no constrained grammar yet: they decode freely by default, and
+    /// a request that asks for `constrain: true` is refused rather than answered unconstrained.
+    fn constrain(&self, opts: &StepOptions) -> Result<bool> {
+        let language = self.prompt.action_language;
+        match (language, opts.constrain) {
+            (ActionLanguage::AskguiJson, c) => Ok(c.unwrap_or(true)),
+            (_, Some(true)) => Err(RuntimeError::BadInput(format!(
+                "the {} action language has no constrained decoding yet: send options.constrain false (or leave it \
+                 out), or serve an adapter trained in askgui's JSON language",
+                language.name()
+            ))),
+            (_, _) => Ok(false),
+        }
+    }
+
     /// One agent step: `step`'s prompt prefilled through `fwd`, the answer decoded with `opts`.
     pub fn step(
         &self,
@@ -68,7 +84,10 @@ impl Runtime {
     ) -> Result<StepOutput> {
         let t_start = Instant::now();
         let prompt = self.prompt(step)?;
-        let prefix = self.tokenizer.encode("{\"action\":\"")?;
+        let language = self.prompt.action_language;
+        let constrain = self.constrain(opts)?;
+        let lead = language.answer_prefix();
+        let prefix = self.tokenizer.encode(lead)?;
         let ids: Vec<u32> = prompt.ids.iter().chain(&prefix).copied().collect();
         let max_tokens = opts.max_tokens.unwrap_or(DEFAULT_STEP_TOKENS);
         self.check_context(ids.len(), max_tokens)?;
@@ -81,34 +100,39 @@ impl Runtime {
         let temperature = opts.temperature.unwrap_or(0.0);
         let mut dec = Decoding::new(seq, temperature, opts.seed.unwrap_or(0), 0, cancelled);
         // The exact distribution over action names after the forced prefix, each name in the
-        // tokenisation training gives it (no name is a prefix of another).
-        let mut text = String::from("{\"action\":\"");
-        let (probs, lens) = self.score(&mut dec, &text, &ACTION_NAMES, "")?;
-        let ask = ACTION_NAMES.iter().position(|&n| n == "ask").expect("ask is an action");
+        // tokenisation training gives it. The JSON names are scored alone, as they always were (none is a
+        // prefix of another); the other languages' with their end (tool-call's `left_click` is a prefix
+        // of `left_click_drag`).
+        let mut text = String::from(lead);
+        let names = language.action_names();
+        let scored_end = if language == ActionLanguage::AskguiJson { "" } else { language.name_end() };
+        let (probs, lens) = self.score(&mut dec, &text, names, scored_end)?;
+        let ask = names.iter().position(|&n| n == language.ask_name()).expect("every language can ask");
         let ask_probability = probs[ask];
         let choice = match opts.pause_threshold {
             Some(th) if ask_probability >= th => ask,
             Some(_) => pick(&probs, temperature, &mut dec.rng, Some(ask)),
             None => pick(&probs, temperature, &mut dec.rng, None),
         };
-        text.push_str(ACTION_NAMES[choice]);
-        text.push('"');
+        text.push_str(names[choice]);
+        text.push_str(language.name_end());
         dec.budget = max_tokens.saturating_sub(lens[choice]);
-        if opts.constrain.unwrap_or(true) {
+        if constrain {
             let schema = Schema {
                 frame: prompt.frame.model,
                 elements: &prompt.element_ids,
                 screenshot: !prompt.images.is_empty(),
             };
-            self.constrained_args(&mut dec, ACTION_NAMES[choice], &mut text, &schema)?;
+            self.constrained_args(&mut dec, names[choice], &mut text, &schema)?;
         } else {
-            self.free_args(&mut dec, &mut text)?;
+            self.free_args(&mut dec, &mut text, language)?;
         }
         let decode_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let parsed = askgui_data::parse::parse_answer(&text)
+        let parsed = language
+            .parse(&text)
             .map(|p| (prompt.frame.action_to_screen(&p.action), p.action))
             .map_err(|e| e.to_string());
-        if opts.constrain.unwrap_or(true) {
+        if constrain {
             if let Err(e) = &parsed {
                 return Err(RuntimeError::Internal(format!("a constrained answer did not parse ({e}): {text:?}")));
             }

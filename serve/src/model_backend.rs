@@ -65,6 +65,7 @@ impl From<&Config> for ModelBackendConfig {
             prompt: PromptFlags {
                 system_prompt: cfg.system_prompt,
                 frame: cfg.frame,
+                action_language: cfg.action_language,
                 min_pixels: cfg.min_pixels,
                 max_pixels: cfg.max_pixels,
                 elements: cfg.elements,
@@ -124,6 +125,7 @@ fn differing(flags: &PromptFlags, a: &AdapterCard, b: &AdapterCard) -> Vec<(&'st
     let candidates = [
         ("system-prompt", flags.system_prompt.is_none(), named(&pa.system_prompt), named(&pb.system_prompt)),
         ("frame", flags.frame.is_none(), named(&pa.frame), named(&pb.frame)),
+        ("action-language", flags.action_language.is_none(), named(&pa.action_language), named(&pb.action_language)),
         ("min-pixels", flags.min_pixels.is_none(), a.image.min_pixels.to_string(), b.image.min_pixels.to_string()),
         ("max-pixels", flags.max_pixels.is_none(), a.image.max_pixels.to_string(), b.image.max_pixels.to_string()),
         ("elements", flags.elements.is_none(), pa.elements.to_string(), pb.elements.to_string()),

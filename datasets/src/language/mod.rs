@@ -57,6 +57,17 @@ pub struct Inexpressible {
     pub reason: String,
 }
 
+/// `--system-prompt compact` with a language other than askgui JSON: the one-line prompt tells the model
+/// to answer in JSON, so it would teach the wrong language.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error(
+    "--system-prompt compact is askgui JSON's one-line prompt; the {language} action language has its own \
+     full prompt only: drop --system-prompt compact (or give --system-prompt full), or use --action-language askgui"
+)]
+pub struct CompactPrompt {
+    pub language: &'static str,
+}
+
 impl ActionLanguage {
     /// The language's flag value (`askgui`, `ui-tars`, `tool-call`).
     pub fn name(self) -> &'static str {
@@ -77,8 +88,17 @@ impl ActionLanguage {
         }
     }
 
+    /// The compact system prompt is askgui JSON's alone ([`CompactPrompt`]).
+    pub fn check_system_prompt(self, system: SystemPrompt) -> Result<(), CompactPrompt> {
+        match (self, system) {
+            (ActionLanguage::AskguiJson, _) | (_, SystemPrompt::Full) => Ok(()),
+            (_, SystemPrompt::Compact) => Err(CompactPrompt { language: self.name() }),
+        }
+    }
+
     /// The system message: the action space as the language writes it, when to ask, and the frame.
-    /// `system` picks askgui's full or compact prompt; the other languages have one prompt each.
+    /// `system` picks askgui's full or compact prompt; the other languages have one prompt each (a
+    /// compact one is refused before a prompt is built: [`Self::check_system_prompt`]).
     pub fn system_prompt(self, system: SystemPrompt, frame: FrameKind) -> String {
         match self {
             ActionLanguage::AskguiJson => system.text(frame),
@@ -102,6 +122,53 @@ impl ActionLanguage {
             ActionLanguage::AskguiJson => crate::parse::parse_answer(text),
             ActionLanguage::UiTars => ui_tars::parse(text),
             ActionLanguage::ToolCall => tool_call::parse(text),
+        }
+    }
+
+    /// The text every answer starts with, up to its action name: the decoder forces it and scores the
+    /// names after it ([`Self::action_names`]).
+    pub fn answer_prefix(self) -> &'static str {
+        match self {
+            ActionLanguage::AskguiJson => "{\"action\":\"",
+            ActionLanguage::UiTars => "Action: ",
+            ActionLanguage::ToolCall => tool_call::ANSWER_PREFIX,
+        }
+    }
+
+    /// The names the answer chooses among after [`Self::answer_prefix`], each followed by
+    /// [`Self::name_end`] (so that no name is a prefix of another).
+    pub fn action_names(self) -> &'static [&'static str] {
+        match self {
+            ActionLanguage::AskguiJson => &crate::action::ACTION_NAMES,
+            ActionLanguage::UiTars => &UI_TARS_ACTIONS,
+            ActionLanguage::ToolCall => &TOOL_ACTIONS,
+        }
+    }
+
+    /// The text that closes an action name: `"` in the JSON languages, `(` in UI-TARS's calls.
+    pub fn name_end(self) -> &'static str {
+        match self {
+            ActionLanguage::AskguiJson | ActionLanguage::ToolCall => "\"",
+            ActionLanguage::UiTars => "(",
+        }
+    }
+
+    /// The action name of ASK (whose probability is `ask_probability`).
+    pub fn ask_name(self) -> &'static str {
+        match self {
+            ActionLanguage::AskguiJson => "ask",
+            ActionLanguage::UiTars => "call_user",
+            ActionLanguage::ToolCall => "ask_user_question",
+        }
+    }
+
+    /// Whether `answer` (which starts with [`Self::answer_prefix`]) is a whole action: its JSON object,
+    /// its call's parenthesis or its `</tool_call>` closed. Free decoding stops there.
+    pub fn answer_closed(self, answer: &str) -> bool {
+        match self {
+            ActionLanguage::AskguiJson => crate::parse::json_object_spans(answer).first().is_some_and(|r| r.start == 0),
+            ActionLanguage::UiTars => ui_tars::call_closed(answer),
+            ActionLanguage::ToolCall => answer.contains("</tool_call>"),
         }
     }
 
@@ -147,6 +214,41 @@ mod tests {
             assert_eq!(serde_json::to_value(l).unwrap(), serde_json::Value::String(l.name().into()));
         }
         assert_eq!(ActionLanguage::default(), ActionLanguage::AskguiJson, "today's JSON stays the default");
+    }
+
+    #[test]
+    fn every_answer_is_the_prefix_a_name_and_closes_only_at_its_end() {
+        use crate::action::{Ask, AskKind, AskOption, Direction, Segment};
+        let actions = [
+            Action::Click(Target::point(5, 7)),
+            Action::Drag(Segment { x1: 1, y1: 2, x2: 3, y2: 4 }),
+            Action::Scroll { x: Some(3), y: Some(4), direction: Direction::Left },
+            Action::Type { text: "a) b' \\\"c\n".into() },
+            Action::Hotkey { keys: vec!["ctrl".into(), "c".into()] },
+            Action::Wait { seconds: 2.0 },
+            Action::Answer { text: "done (really)".into() },
+            Action::Ask(Ask {
+                question: "Which (one)?".into(),
+                options: vec![AskOption { label: "Oat's".into(), detail: None }],
+                kind: Some(AskKind::Selection),
+            }),
+        ];
+        for l in LANGUAGES {
+            for a in &actions {
+                let text = l.render(a).unwrap();
+                let rest = text.strip_prefix(l.answer_prefix()).unwrap_or_else(|| panic!("{l:?}: {text}"));
+                let named: Vec<_> =
+                    l.action_names().iter().filter(|n| rest.starts_with(&format!("{n}{}", l.name_end()))).collect();
+                assert_eq!(named.len(), 1, "{l:?}: {text}");
+                assert!(l.answer_closed(&text), "{l:?}: {text}");
+                // Every shorter text is still open: free decoding does not stop inside a string.
+                let open = text.char_indices().map(|(i, _)| &text[..i]).find(|t| l.answer_closed(t));
+                assert_eq!(open, None, "{l:?}: {text}");
+            }
+            let ask = actions.last().unwrap();
+            let asked = l.render(ask).unwrap();
+            assert!(asked[l.answer_prefix().len()..].starts_with(l.ask_name()), "{asked}");
+        }
     }
 
     #[test]

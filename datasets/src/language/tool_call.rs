@@ -25,6 +25,8 @@ use super::{point_only, Inexpressible};
 const LANGUAGE: &str = "tool-call";
 /// The one tool's name (Qwen3-VL's desktop tool and Fara's); `mobile_use` is read as well.
 pub const TOOL_NAME: &str = "computer_use";
+/// What every answer starts with, up to the action's name.
+pub const ANSWER_PREFIX: &str = "<tool_call>\n{\"name\": \"computer_use\", \"arguments\": {\"action\": \"";
 /// The `pixels` a scroll is written with (its sign is the direction; any amount reads back).
 pub const TOOL_SCROLL_PIXELS: i32 = 500;
 /// The `action` values this language writes and reads (the constrained decoder's action names).

@@ -43,6 +43,25 @@ pub const UI_TARS_ACTIONS: [&str; 14] = [
     "finished",
     "call_user",
 ];
+/// Whether `text` holds a call whose parenthesis is closed, outside Python strings (`\\` escapes).
+pub(super) fn call_closed(text: &str) -> bool {
+    let (mut depth, mut quote, mut escaped) = (0usize, None::<char>, false);
+    for c in text.chars() {
+        match (quote, c) {
+            (Some(_), _) if escaped => escaped = false,
+            (Some(_), '\\') => escaped = true,
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '\'' | '"') => quote = Some(c),
+            (None, '(') => depth += 1,
+            (None, ')') if depth == 1 => return true,
+            (None, ')') => depth = depth.saturating_sub(1),
+            (None, _) => {}
+        }
+    }
+    false
+}
+
 /// `wait()` sleeps this long in UI-TARS's front ends; other waits carry `time`.
 const WAIT_SECONDS: f64 = 5.0;
 
