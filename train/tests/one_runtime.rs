@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use askgui_data::agent_api::StepOptions;
 use askgui_data::synth::{synth, SynthArgs};
-use askgui_data::{read_episodes, FrameKind, LoadedEpisode, PromptConfig, PromptFlags, TaskMode, Turn};
+use askgui_data::{
+    read_episodes, Action, ActionLanguage, FrameKind, LoadedEpisode, PromptConfig, PromptFlags, TaskMode, Turn,
+};
 use askgui_eval::agent::{Agent, Prediction, StepInput};
 use askgui_eval::backends::inprocess::runtime_step;
 use askgui_eval::backends::{EndpointAgent, EndpointConfig, InProcessAgent};
@@ -251,4 +253,92 @@ fn server_agrees(f: Family) {
         assert!(answer.same_answer(&t), "{what}: the server and the trainer's eval differ: {answer:?} vs {t:?}");
     }
     server.stop();
+}
+
+/// The UI-TARS prompt settings as askgui-train resolves `--action-language ui-tars --max-pixels 12544`:
+/// the language's own frame (resized pixels) and no element list (UI-TARS points at pixels only).
+fn ui_tars_prompt() -> PromptConfig {
+    PromptConfig { action_language: ActionLanguage::UiTars, elements: false, ..prompt(FAMILIES[0], 0) }
+}
+
+#[test]
+fn in_the_ui_tars_language_training_eval_the_trainer_and_the_server_ask_the_same() {
+    let f = FAMILIES[0];
+    let path = episodes("ui-tars");
+    let inputs: Vec<StepInput> = loaded(&path).iter().take(1).flat_map(steps).collect();
+    assert!(inputs.iter().any(|i| i.history.iter().any(|t| matches!(t, Turn::Say { .. }))), "no SAY turn");
+    assert!(inputs.len() >= 3, "a few steps with earlier actions");
+    // askgui-eval with the card's language and no --frame: the language's frame applies.
+    let flags = PromptFlags {
+        max_pixels: Some(MAX_PIXELS),
+        history_images: Some(0),
+        elements: Some(false),
+        action_language: Some(ActionLanguage::UiTars),
+        ..PromptFlags::default()
+    };
+    let eval =
+        InProcessAgent::load(&fixture(f).display().to_string(), None, &flags, options(), Default::default()).unwrap();
+    assert_eq!(eval.runtime().prompt_config().frame, FrameKind::Resized);
+    let mut model = Qwen2Vl::load(&fixture(f).display().to_string(), &Device::Cpu, DType::F32).unwrap();
+    model.image_config.max_pixels = MAX_PIXELS;
+    let (min_pixels, token_side) = (model.image_config.min_pixels, model.image_config.geometry.factor());
+    let trainer = lend(model, &PromptConfig { token_side, ..ui_tars_prompt() }, MAX_TOKENS).unwrap();
+    // The training samples of that one episode, cut at their first supervised token.
+    let mut model = Qwen2Vl::load(&fixture(f).display().to_string(), &Device::Cpu, DType::F32).unwrap();
+    model.image_config.max_pixels = MAX_PIXELS;
+    let opts = DataOptions {
+        prompt: PromptConfig { min_pixels, token_side, ..ui_tars_prompt() },
+        task_mode: TaskMode::Ambiguous,
+        extra_task_modes: vec![],
+        history_length: 0,
+        max_seq_len: 1 << 20,
+        skip_bad_records: false,
+        ask_repeat: 1,
+        say_repeat: 1,
+        dialog_repeat: 1,
+        region_words: false,
+    };
+    let data = load_dataset(&path, &opts, &model.tokenizer().unwrap(), &model.image_config).unwrap();
+    // askgui-serve --action-language ui-tars --elements false, and the request eval would send it.
+    let mut cfg = server_config(f);
+    (cfg.action_language, cfg.elements) = (Some(ActionLanguage::UiTars), Some(false));
+    let backend = ModelBackend::load(&ModelBackendConfig::from(&cfg)).unwrap();
+    let endpoint = EndpointConfig {
+        base: "http://127.0.0.1:9".into(),
+        adapter: None,
+        timeout_s: 60.0,
+        retries: 0,
+        backoff_ms: 10,
+        options: options(),
+        elements: false,
+    };
+    let client = EndpointAgent::new(endpoint).unwrap();
+    let ui_tars_text = |ids: &[u32]| eval.runtime().tokenizer().decode(ids, false).unwrap();
+    for (input, sample) in inputs.iter().zip(&data.samples) {
+        let what = format!("{} step {} ({} history turns)", input.episode_id, input.step, input.history.len());
+        let e = ids(&eval, input);
+        assert_eq!(e, ids(&trainer, input), "{what}: eval and the trainer's eval differ");
+        let cut = sample.labels_mask.iter().position(|&m| m).unwrap();
+        assert_eq!(e, sample.ids[..cut], "{what}: the training sample's prompt differs from the runtime's");
+        let request = client.request(input).unwrap();
+        let bytes = request.observation.screenshot_bytes().unwrap().expect("a screenshot");
+        let shot = askgui_serve::images::decode(&bytes, cfg.max_image_pixels, "screenshot").unwrap();
+        let job = StepJob { request, screenshot: Some(shot) };
+        let served = backend.runtime().prompt(&askgui_serve::model_backend::runtime_step(&job)).unwrap().ids;
+        assert_eq!(served, e, "{what}: the server and eval differ");
+        // The prompt is UI-TARS's: its action space, and an earlier action written as UI-TARS writes it.
+        let text = ui_tars_text(&e);
+        assert!(text.contains("call_user(") && !text.contains("{\"action\":"), "{what}: {text}");
+        let acted =
+            input.history.iter().any(|t| matches!(t, Turn::Agent { action } if !matches!(action, Action::Ask(_))));
+        assert_eq!(text.contains("History:\n1. Action: "), acted, "{what}: {text}");
+        // The target is UI-TARS text, which UI-TARS's parser reads.
+        let target = ui_tars_text(&sample.ids[cut..]);
+        let target = target.split(askgui_data::prompt::IM_END).next().unwrap();
+        assert!(target.starts_with("Action: "), "{what}: {target}");
+        ActionLanguage::UiTars.parse(target).unwrap_or_else(|e| panic!("{what}: {target}: {e}"));
+        let (a, t) = (predict(&eval, input), predict(&trainer, input));
+        assert!(a.same_answer(&t), "{what}: {a:?} vs {t:?}");
+        assert!(a.raw.starts_with("Action: "), "{what}: the answer is UI-TARS text: {}", a.raw);
+    }
 }
