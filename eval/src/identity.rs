@@ -67,12 +67,6 @@ impl Decoding {
         }
     }
 
-    /// [`Self::of`] for a model writing `language`: the runtime constrains only askgui's JSON by default.
-    pub fn of_in(options: &StepOptions, language: ActionLanguage) -> Self {
-        let free = language != ActionLanguage::AskguiJson;
-        Self { constrain: Some(options.constrain.unwrap_or(!free)), ..Self::of(options) }
-    }
-
     /// Greedy decoding capped at `max_new_tokens` (an OpenAI-compatible endpoint's).
     pub fn greedy(max_new_tokens: usize) -> Self {
         Self { max_new_tokens: Some(max_new_tokens), temperature: Some(0.0), ..Default::default() }

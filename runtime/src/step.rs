@@ -1,10 +1,11 @@
 //! Steps 3 and 4 of the chain: decoding an agent step's answer, and the action back in screen pixels.
 //!
-//! Key choice: after the forced prefix `{"action":"`, every action name's tokens are scored from a copy
-//! of the KV cache: the model's exact distribution over the 15 names, whose `ask` entry is
-//! `ask_probability` (with `pause_threshold` the answer is `ask` exactly when
-//! `ask_probability >= pause_threshold`). The arguments follow ([`crate::constrained`]), then the answer
-//! is parsed and converted to screen pixels.
+//! Key choice: after the action language's forced prefix (`{"action":"`, `Action: `, `<tool_call>...`),
+//! every action name's tokens are scored from a copy of the KV cache: the model's exact distribution over
+//! the language's names, whose ASK entry (`ask`, `call_user`, `ask_user_question`) is `ask_probability`
+//! (with `pause_threshold` the answer is ASK exactly when `ask_probability >= pause_threshold`). The
+//! arguments follow ([`crate::constrained`], [`crate::language_args`]), then the answer is parsed in the
+//! language and converted to screen pixels.
 
 use std::time::Instant;
 
@@ -39,8 +40,7 @@ impl StepOutput {
     pub fn into_response(self) -> Result<AgentStepResponse> {
         let (action, model_action) = self.parsed.map_err(|e| {
             RuntimeError::Internal(format!(
-                "the model's answer does not parse ({e}); in askgui's JSON language, leave options.constrain on \
-                 to get one that does"
+                "the model's answer does not parse ({e}); leave options.constrain on to get one that does"
             ))
         })?;
         Ok(AgentStepResponse {
@@ -58,22 +58,6 @@ impl StepOutput {
 }
 
 impl Runtime {
-    /// Whether the step's arguments are constrained: `options.constrain`, on by default in askgui's JSON
-    /// language. The other languages have no constrained grammar yet: they decode freely by default, and
-    /// a request that asks for `constrain: true` is refused rather than answered unconstrained.
-    fn constrain(&self, opts: &StepOptions) -> Result<bool> {
-        let language = self.prompt.action_language;
-        match (language, opts.constrain) {
-            (ActionLanguage::AskguiJson, c) => Ok(c.unwrap_or(true)),
-            (_, Some(true)) => Err(RuntimeError::BadInput(format!(
-                "the {} action language has no constrained decoding yet: send options.constrain false (or leave it \
-                 out), or serve an adapter trained in askgui's JSON language",
-                language.name()
-            ))),
-            (_, _) => Ok(false),
-        }
-    }
-
     /// One agent step: `step`'s prompt prefilled through `fwd`, the answer decoded with `opts`.
     pub fn step(
         &self,
@@ -85,7 +69,7 @@ impl Runtime {
         let t_start = Instant::now();
         let prompt = self.prompt(step)?;
         let language = self.prompt.action_language;
-        let constrain = self.constrain(opts)?;
+        let constrain = opts.constrain.unwrap_or(true);
         let lead = language.answer_prefix();
         let prefix = self.tokenizer.encode(lead)?;
         let ids: Vec<u32> = prompt.ids.iter().chain(&prefix).copied().collect();
@@ -123,7 +107,11 @@ impl Runtime {
                 elements: &prompt.element_ids,
                 screenshot: !prompt.images.is_empty(),
             };
-            self.constrained_args(&mut dec, names[choice], &mut text, &schema)?;
+            match language {
+                ActionLanguage::AskguiJson => self.constrained_args(&mut dec, names[choice], &mut text, &schema)?,
+                ActionLanguage::UiTars => self.ui_tars_args(&mut dec, names[choice], &mut text, &schema)?,
+                ActionLanguage::ToolCall => self.tool_call_args(&mut dec, names[choice], &mut text, &schema)?,
+            }
         } else {
             self.free_args(&mut dec, &mut text, language)?;
         }

@@ -340,5 +340,6 @@ fn in_the_ui_tars_language_training_eval_the_trainer_and_the_server_ask_the_same
         let (a, t) = (predict(&eval, input), predict(&trainer, input));
         assert!(a.same_answer(&t), "{what}: {a:?} vs {t:?}");
         assert!(a.raw.starts_with("Action: "), "{what}: the answer is UI-TARS text: {}", a.raw);
+        assert!(a.parse_error.is_none(), "{what}: the constrained UI-TARS answer parses: {a:?}");
     }
 }

@@ -163,7 +163,7 @@ fn identity_of(model: &Qwen2Vl, prompt: &PromptConfig, options: &StepOptions) ->
         url: None,
         adapter: model.merged_adapter().or(model.active_adapter()).map(str::to_string),
         adapter_fingerprint: None,
-        decoding: Decoding::of_in(options, prompt.action_language),
+        decoding: Decoding::of(options),
         prompt: PromptIdentity::of(prompt),
         runtime: Some(crate::identity::Runtime {
             device: device.into(),
