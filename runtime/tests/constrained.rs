@@ -351,7 +351,7 @@ fn every_action_kind_of_every_language_is_written_as_steered_and_parses_back() {
         let said = language.render(&Action::Answer { text: "a) b] \"c\" }".into() }).unwrap();
         let out = rt.step(&Steer::new(&texts, &said), &step, &free, &|| false).unwrap();
         assert_eq!(out.raw, said, "{language:?}");
-                // Steered off the frame, the point stays inside it (112x84 pixels, or 0-1000).
+        // Steered off the frame, the point stays inside it (112x84 pixels, or 0-1000).
         let off = language.render(&Action::Click(askgui_data::Target::point(5000, 20))).unwrap();
         let out = rt.step(&Steer::new(&texts, &off), &step, &StepOptions::default(), &|| false).unwrap();
         let (_, got) = out.parsed.unwrap_or_else(|e| panic!("{language:?}: {e}: {}", out.raw));

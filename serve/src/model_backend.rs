@@ -284,10 +284,12 @@ fn bind_or_log(device: &candle_core::Device) {
 }
 
 /// The server's prompt settings: the flags (after askgui.json), with the current screenshot only (a
-/// request carries one) and, unless a flag or card says otherwise, a request's element list shown; `native`
+/// request carries one) and, unless a flag or card says otherwise, a request's element list shown in
+/// askgui's JSON (the other languages point at pixels only); `native`
 /// is the model family's frame, for when neither a flag nor a card sets one.
 fn served_prompt(flags: &PromptFlags, native: askgui_data::FrameKind) -> PromptConfig {
-    PromptConfig { elements: flags.elements.unwrap_or(true), history_images: 0, ..flags.config_in(native) }
+    let json = flags.action_language.unwrap_or_default() == askgui_data::ActionLanguage::AskguiJson;
+    PromptConfig { elements: flags.elements.unwrap_or(json), history_images: 0, ..flags.config_in(native) }
 }
 
 impl Backend for ModelBackend {

@@ -299,9 +299,10 @@ fn in_the_ui_tars_language_training_eval_the_trainer_and_the_server_ask_the_same
         region_words: false,
     };
     let data = load_dataset(&path, &opts, &model.tokenizer().unwrap(), &model.image_config).unwrap();
-    // askgui-serve --action-language ui-tars --elements false, and the request eval would send it.
+    // askgui-serve --action-language ui-tars (which shows no element list unless told to), and the
+    // request eval would send it.
     let mut cfg = server_config(f);
-    (cfg.action_language, cfg.elements) = (Some(ActionLanguage::UiTars), Some(false));
+    cfg.action_language = Some(ActionLanguage::UiTars);
     let backend = ModelBackend::load(&ModelBackendConfig::from(&cfg)).unwrap();
     let endpoint = EndpointConfig {
         base: "http://127.0.0.1:9".into(),
@@ -310,7 +311,8 @@ fn in_the_ui_tars_language_training_eval_the_trainer_and_the_server_ask_the_same
         retries: 0,
         backoff_ms: 10,
         options: options(),
-        elements: false,
+        // The request carries the element list; the server leaves it out of a UI-TARS prompt.
+        elements: true,
     };
     let client = EndpointAgent::new(endpoint).unwrap();
     let ui_tars_text = |ids: &[u32]| eval.runtime().tokenizer().decode(ids, false).unwrap();
