@@ -1,8 +1,8 @@
 //! `askgui.json`: the prompt and image settings an adapter (or a merged model) was trained with, written
 //! beside `adapter_config.json` by askgui-train and read by askgui-eval and askgui-serve as their defaults.
 //!
-//! Key choice: the card holds exactly what changes what the model sees (the system prompt, the coordinate
-//! frame, the history and element settings, the image processor's pixel bounds), resolved (never "0: the
+//! Key choice: the card holds exactly what changes what the model sees (the system prompt, the action
+//! language, the coordinate frame, the history and element settings, the image processor's pixel bounds), resolved (never "0: the
 //! checkpoint's"), and the one decoding default chosen on data: the pause level `askgui-eval calibrate`
 //! picked on a validation split ([`CardPause`]), which a request's own `pause_threshold` overrides. Unknown keys are ignored and `version` says the layout, so an older reader loads a newer
 //! card. A flag given on the command line still wins over the card, with a warning naming the setting.
@@ -14,6 +14,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::frame::FrameKind;
+use crate::language::ActionLanguage;
 use crate::prompt::{PromptConfig, SystemPrompt};
 
 /// The card's file name, in an adapter or model folder.
@@ -72,6 +73,14 @@ pub struct CardPrompt {
     /// Most recent history lines kept in training prompts (0: all); eval and serve keep every line.
     #[serde(default)]
     pub history_length: usize,
+    /// The action language the model writes; absent (as in every card before languages) for askgui's
+    /// JSON, so a JSON adapter's card reads as it always did.
+    #[serde(default, skip_serializing_if = "is_askgui")]
+    pub action_language: ActionLanguage,
+}
+
+fn is_askgui(l: &ActionLanguage) -> bool {
+    *l == ActionLanguage::AskguiJson
 }
 
 /// The image processor's bounds (they decide the resized frame).
@@ -94,6 +103,7 @@ impl AdapterCard {
                 history_images: prompt.history_images,
                 elements: prompt.elements,
                 history_length,
+                action_language: prompt.action_language,
             },
             image: CardImage { min_pixels: prompt.min_pixels, max_pixels: prompt.max_pixels },
             pause: None,
@@ -221,6 +231,10 @@ pub struct PromptFlags {
     /// adapter's askgui.json, else full].
     #[arg(long, value_enum)]
     pub system_prompt: Option<SystemPrompt>,
+    /// The action language the model reads and writes [default: the adapter's askgui.json, else askgui].
+    #[arg(long, value_enum)]
+    #[serde(default)]
+    pub action_language: Option<ActionLanguage>,
 }
 
 /// The card's value where the flag is unset; the flag's, with a warning, where both are set and differ.
@@ -257,6 +271,7 @@ impl PromptFlags {
             history_images: Some(cfg.history_images),
             elements: Some(cfg.elements),
             system_prompt: Some(cfg.system_prompt),
+            action_language: Some(cfg.action_language),
         }
     }
 
@@ -271,6 +286,7 @@ impl PromptFlags {
             history_images: pick("history-images", Some(c.prompt.history_images), self.history_images),
             elements: pick("elements", Some(c.prompt.elements), self.elements),
             system_prompt: pick("system-prompt", Some(c.prompt.system_prompt), self.system_prompt),
+            action_language: pick("action-language", Some(c.prompt.action_language), self.action_language),
         }
     }
 
@@ -279,18 +295,20 @@ impl PromptFlags {
         self.config_in(PromptConfig::default().frame)
     }
 
-    /// [`Self::config`] with `native` as the frame when none is set: the model family's own (relative
-    /// 0-1000 for Qwen3-VL).
+    /// [`Self::config`] with `native` as the frame when none is set: the action language's own
+    /// ([`ActionLanguage::native_frame`]), else the model family's (relative 0-1000 for Qwen3-VL).
     pub fn config_in(&self, native: FrameKind) -> PromptConfig {
         let d = PromptConfig::default();
+        let language = self.action_language.unwrap_or(d.action_language);
         PromptConfig {
-            frame: self.frame.unwrap_or(native),
+            frame: self.frame.or(language.native_frame()).unwrap_or(native),
             min_pixels: self.min_pixels.unwrap_or(d.min_pixels),
             max_pixels: self.max_pixels.unwrap_or(d.max_pixels),
             history_images: self.history_images.unwrap_or(d.history_images),
             elements: self.elements.unwrap_or(d.elements),
             system_prompt: self.system_prompt.unwrap_or(d.system_prompt),
             token_side: d.token_side,
+            action_language: language,
         }
     }
 }
@@ -319,6 +337,19 @@ mod tests {
         std::fs::write(dir.join(FILE), "{").unwrap();
         assert!(AdapterCard::read(&dir).unwrap_err().to_string().contains(FILE));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_card_names_a_language_other_than_askguis_json() {
+        let json = serde_json::to_value(card()).unwrap();
+        assert!(json["prompt"].get("action_language").is_none(), "a JSON adapter's card is as before: {json}");
+        let p = PromptConfig { action_language: ActionLanguage::UiTars, ..Default::default() };
+        let ui_tars = AdapterCard::new(&p, 0);
+        let v = serde_json::to_value(&ui_tars).unwrap();
+        assert_eq!(v["prompt"]["action_language"], "ui-tars", "the flag's value");
+        assert_eq!(serde_json::from_value::<AdapterCard>(v).unwrap(), ui_tars);
+        let old: AdapterCard = serde_json::from_value(json).unwrap();
+        assert_eq!(old.prompt.action_language, ActionLanguage::AskguiJson, "an older card reads as JSON");
     }
 
     #[test]
@@ -360,5 +391,24 @@ mod tests {
         let flags = PromptFlags { max_pixels: Some(12_544), ..Default::default() };
         let c = flags.with_card(Some(&card())).config();
         assert_eq!((c.max_pixels, c.system_prompt), (12_544, SystemPrompt::Compact));
+    }
+
+    #[test]
+    fn the_language_travels_in_the_card_and_picks_the_frame_no_one_gives() {
+        let p = PromptConfig {
+            action_language: ActionLanguage::ToolCall,
+            frame: FrameKind::Relative1000,
+            ..Default::default()
+        };
+        let read = PromptFlags::default().with_card(Some(&AdapterCard::new(&p, 0))).config();
+        assert_eq!((read.action_language, read.frame), (ActionLanguage::ToolCall, FrameKind::Relative1000));
+        // Without --frame or a card, the tool-call language points in its own 0-1000 (not the family's
+        // resized pixels); a given --frame still wins.
+        let flags = PromptFlags { action_language: Some(ActionLanguage::ToolCall), ..Default::default() };
+        assert_eq!(flags.config_in(FrameKind::Resized).frame, FrameKind::Relative1000);
+        let flags = PromptFlags { frame: Some(FrameKind::Screen), ..flags };
+        assert_eq!(flags.config_in(FrameKind::Resized).frame, FrameKind::Screen);
+        // askgui JSON has no frame of its own: the family's applies.
+        assert_eq!(PromptFlags::default().config_in(FrameKind::Relative1000).frame, FrameKind::Relative1000);
     }
 }

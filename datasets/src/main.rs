@@ -25,6 +25,9 @@ enum Command {
         /// Skip opening the screenshots (faster; misses missing or mis-sized images).
         #[arg(long)]
         no_images: bool,
+        /// Also check that this action language can say every action and question.
+        #[arg(long, value_enum)]
+        action_language: Option<askgui_data::ActionLanguage>,
     },
     /// Write the synthetic GUI world: train/val/test JSONL files and their screenshots.
     Synth(synth::SynthArgs),
@@ -67,6 +70,9 @@ enum Command {
         /// Output folder: index.html and one page per episode.
         #[arg(long)]
         out: PathBuf,
+        /// Show each action as this action language writes it.
+        #[arg(long, value_enum, default_value_t = askgui_data::ActionLanguage::AskguiJson)]
+        action_language: askgui_data::ActionLanguage,
     },
 }
 
@@ -102,8 +108,8 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Validate { file, no_images } => {
-            let r = validate::validate_file(&file, !no_images)?;
+        Command::Validate { file, no_images, action_language } => {
+            let r = validate::validate_file_in(&file, !no_images, action_language)?;
             for p in &r.problems {
                 println!("{}: {p}", file.display());
             }
@@ -178,8 +184,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 print!("{s}");
             }
         }
-        Command::Render { file, out } => {
-            let r = render::render_html(&file, &out)?;
+        Command::Render { file, out, action_language } => {
+            let r = render::render_html(&file, &out, action_language)?;
             println!("{} -> {}", plural(r.pages, "page"), r.index.display());
         }
     }

@@ -22,6 +22,12 @@ pub enum ParseError {
     BadTag { got: String },
     #[error("action `{action}`: {reason}")]
     Invalid { action: String, reason: String },
+    /// An answer with no action of an action language in it.
+    #[error("no {language} action in the answer (expected {expected}): {snippet:?}")]
+    NoLanguageAction { language: &'static str, expected: &'static str, snippet: String },
+    /// An action name the language does not have.
+    #[error("unknown {language} action `{name}` (known: {known})")]
+    UnknownLanguageAction { language: &'static str, name: String, known: String },
 }
 
 /// A parsed answer: the action and any free text the model wrote before it.
@@ -31,7 +37,7 @@ pub struct Parsed {
     pub thought: Option<String>,
 }
 
-fn snippet(s: &str) -> String {
+pub(crate) fn snippet(s: &str) -> String {
     let s = s.trim();
     match s.char_indices().nth(120) {
         Some((i, _)) => format!("{}...", &s[..i]),

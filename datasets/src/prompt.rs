@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::action::{Action, Turn};
 use crate::episode::{Element, LoadedEpisode};
 use crate::frame::{FrameError, FrameKind, FrameMap, ResizeBounds};
+use crate::language::{ActionLanguage, CompactPrompt, Inexpressible};
 
 /// How prompts are built.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, clap::Args)]
@@ -52,6 +53,10 @@ pub struct PromptConfig {
     #[arg(skip = crate::frame::QWEN2_TOKEN_SIDE)]
     #[serde(default = "crate::frame::qwen2_token_side")]
     pub token_side: usize,
+    /// The action language the model reads and writes (its system prompt, its actions' text).
+    #[arg(long, value_enum, default_value_t = ActionLanguage::AskguiJson)]
+    #[serde(default)]
+    pub action_language: ActionLanguage,
 }
 
 /// Which system prompt the agent is given. A model must be served with the one it was trained with.
@@ -82,11 +87,17 @@ impl Default for PromptConfig {
             elements: false,
             system_prompt: SystemPrompt::Full,
             token_side: crate::frame::QWEN2_TOKEN_SIDE,
+            action_language: ActionLanguage::AskguiJson,
         }
     }
 }
 
 impl PromptConfig {
+    /// Whether the options go together: the compact system prompt is askgui JSON's alone.
+    pub fn check(&self) -> Result<(), CompactPrompt> {
+        self.action_language.check_system_prompt(self.system_prompt)
+    }
+
     pub fn frame_map(&self, width: u32, height: u32) -> Result<FrameMap, FrameError> {
         FrameMap::new(
             self.frame,
@@ -121,11 +132,7 @@ impl ChatMessage {
 
 /// The system prompt: the action space, the frame and the answer format.
 pub fn system_prompt(frame: FrameKind) -> String {
-    let coords = match frame {
-        FrameKind::Resized => "Coordinates are absolute pixels of the screenshot as you see it.",
-        FrameKind::Relative1000 => "Coordinates are relative: 0..1000 across the width and down the height.",
-        FrameKind::Screen => "Coordinates are pixels of the original screen.",
-    };
+    let coords = frame_sentence(frame);
     format!(
         "You are a GUI agent. You see a screenshot and a task, and you answer with the next action as one JSON object.\n\
 Actions:\n\
@@ -139,6 +146,15 @@ Actions:\n\
 When the task leaves out a detail that only the user knows and the screen does not decide it, ask instead of guessing; \
 otherwise act. {coords}"
     )
+}
+
+/// The sentence of the system prompt that says the frame (every language's prompt ends with it).
+pub fn frame_sentence(frame: FrameKind) -> &'static str {
+    match frame {
+        FrameKind::Resized => "Coordinates are absolute pixels of the screenshot as you see it.",
+        FrameKind::Relative1000 => "Coordinates are relative: 0..1000 across the width and down the height.",
+        FrameKind::Screen => "Coordinates are pixels of the original screen.",
+    }
 }
 
 impl SystemPrompt {
@@ -163,10 +179,18 @@ pub struct StepContext<'a> {
     pub elements: Option<&'a [Element]>,
     pub frame: FrameMap,
     pub system: SystemPrompt,
+    /// The language of the system prompt and of the history's actions.
+    pub language: ActionLanguage,
 }
 
-/// The history lines; element ids only when the prompt lists the elements (`with_ids`).
-fn history_text(turns: &[Turn], frame: &FrameMap, with_ids: bool) -> String {
+/// The history lines, each action in `language`; element ids only when the prompt lists the elements
+/// (`with_ids`). An action the language cannot say is an error naming it.
+fn history_text(
+    turns: &[Turn],
+    frame: &FrameMap,
+    with_ids: bool,
+    language: ActionLanguage,
+) -> Result<String, Inexpressible> {
     let mut out = String::new();
     let mut n = 0;
     for t in turns {
@@ -176,21 +200,22 @@ fn history_text(turns: &[Turn], frame: &FrameMap, with_ids: bool) -> String {
                 n += 1;
                 let a = frame.action_to_model(action);
                 let a = if with_ids { a } else { a.without_element() };
-                out.push_str(&format!("{n}. {}\n", a.render()));
+                out.push_str(&format!("{n}. {}\n", language.render(&a)?));
             }
             Turn::Say { text } => out.push_str(&format!("SAY: {text}\n")),
         }
     }
-    out
+    Ok(out)
 }
 
-/// Chat messages for one step, without the target.
-pub fn step_messages(ctx: &StepContext) -> Vec<ChatMessage> {
+/// Chat messages for one step, without the target: the language's system prompt, and the history's
+/// actions in the language. An earlier action the language cannot say is an error naming it.
+pub fn step_messages(ctx: &StepContext) -> Result<Vec<ChatMessage>, Inexpressible> {
+    let language = ctx.language;
     let mut content = vec![Part::Text { text: format!("Task: {}\n", ctx.task) }];
     if !ctx.history.is_empty() {
-        content.push(Part::Text {
-            text: format!("History:\n{}", history_text(ctx.history, &ctx.frame, ctx.elements.is_some())),
-        });
+        let history = history_text(ctx.history, &ctx.frame, ctx.elements.is_some(), language)?;
+        content.push(Part::Text { text: format!("History:\n{history}") });
     }
     let (prev, cur) = ctx.screenshots.split_at(ctx.screenshots.len().saturating_sub(1));
     for (i, p) in prev.iter().enumerate() {
@@ -210,10 +235,10 @@ pub fn step_messages(ctx: &StepContext) -> Vec<ChatMessage> {
     }
     content.push(Part::Text { text: "Next action?".into() });
 
-    vec![
-        ChatMessage::text("system", ctx.system.text(ctx.frame.kind), false),
+    Ok(vec![
+        ChatMessage::text("system", language.system_prompt(ctx.system, ctx.frame.kind), false),
         ChatMessage { role: "user".into(), content, loss: false },
-    ]
+    ])
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -270,14 +295,30 @@ pub enum TaskMode {
 /// The task of a [`TaskMode::Describe`] sample.
 pub const DESCRIBE_TASK: &str = "Read the screen";
 
-/// Every training sample of an episode.
-pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -> Result<Vec<Sample>, FrameError> {
+/// Why an episode gives no samples: its screen has no frame, or a step's action has no words in the
+/// action language (named with the step).
+#[derive(Debug, thiserror::Error)]
+pub enum SampleError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error(transparent)]
+    Compact(#[from] CompactPrompt),
+    #[error("episode `{episode}` step {step}: {source}")]
+    Inexpressible { episode: String, step: usize, source: Inexpressible },
+}
+
+/// Every training sample of an episode, its prompts and targets in `cfg`'s action language. A target is
+/// the language's [`ActionLanguage::normal_form`] of the step's action, so that it is what parsing the
+/// target text gives back.
+pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -> Result<Vec<Sample>, SampleError> {
+    cfg.check()?;
+    let language = cfg.action_language;
     let e = &ep.episode;
     let frame = cfg.frame_map(e.screen.width, e.screen.height)?;
     let ambiguous = mode == TaskMode::Ambiguous && e.is_ambiguous();
     let task = if ambiguous { e.ambiguous_task.as_deref().unwrap_or(&e.task) } else { &e.task };
     if mode == TaskMode::Language {
-        return Ok(language_samples(e));
+        return language_samples(e, language);
     }
     let mut past: Vec<Turn> = Vec::new();
     let mut out = Vec::new();
@@ -293,7 +334,8 @@ pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -
         let first = if alone { i } else { i.saturating_sub(cfg.history_images) };
         let screenshots = (first..=i).map(|j| ep.image_path(j)).collect();
         let elements = if cfg.elements { step.elements.as_deref() } else { None };
-        let mut push = |history: &[Turn], kind: SampleKind, target: &Action| {
+        let named = |source| SampleError::Inexpressible { episode: e.id.clone(), step: i, source };
+        let mut push = |history: &[Turn], kind: SampleKind, target: &Action| -> Result<(), SampleError> {
             let ctx = StepContext {
                 task,
                 history,
@@ -301,29 +343,32 @@ pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -
                 elements,
                 frame,
                 system: cfg.system_prompt,
+                language,
             };
             // Without the element list in the prompt, the target is the point alone.
             let target = frame.action_to_model(target);
             let target = if elements.is_some() { target } else { target.without_element() };
-            let mut messages = step_messages(&ctx);
-            messages.push(ChatMessage::text("assistant", target.render(), true));
+            let mut messages = step_messages(&ctx).map_err(named)?;
+            messages.push(ChatMessage::text("assistant", language.render(&target).map_err(named)?, true));
+            let target = language.normal_form(&target);
             out.push(Sample { episode: e.id.clone(), step: i, kind, messages, target });
+            Ok(())
         };
         match (&step.ask, ambiguous) {
             _ if mode == TaskMode::Describe => {
                 let texts: Vec<&str> = step.elements.iter().flatten().map(|e| e.text.as_str()).collect();
-                push(&history, SampleKind::Describe, &Action::Answer { text: texts.join("; ") });
+                push(&history, SampleKind::Describe, &Action::Answer { text: texts.join("; ") })?;
             }
             (Some(ask), true) => {
                 let ask_action = ask.action();
-                push(&history, SampleKind::Ask, &ask_action);
+                push(&history, SampleKind::Ask, &ask_action)?;
                 history.push(Turn::Agent { action: ask_action });
                 history.push(Turn::Say { text: ask.answer.clone() });
-                push(&history, SampleKind::ActAfterSay, &step.action);
+                push(&history, SampleKind::ActAfterSay, &step.action)?;
             }
             _ => {
                 let answered = history.iter().any(|t| matches!(t, Turn::Say { .. }));
-                push(&history, if answered { SampleKind::ActInDialog } else { SampleKind::Act }, &step.action)
+                push(&history, if answered { SampleKind::ActInDialog } else { SampleKind::Act }, &step.action)?
             }
         }
         history.push(Turn::Agent { action: step.action.clone() });
@@ -332,19 +377,20 @@ pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -
     Ok(out)
 }
 
-/// [`TaskMode::Language`] samples of an episode: one per annotated question.
-fn language_samples(e: &crate::episode::Episode) -> Vec<Sample> {
+/// [`TaskMode::Language`] samples of an episode: one per annotated question, written in `language`.
+fn language_samples(e: &crate::episode::Episode, language: ActionLanguage) -> Result<Vec<Sample>, SampleError> {
     let asks = e.steps.iter().enumerate().filter_map(|(i, s)| Some((i, s.ask.as_ref()?)));
     asks.map(|(step, ask)| {
         let target = ask.action();
-        let text = format!("{}\n{}", target.render(), ask.answer);
-        Sample {
+        let named = |source| SampleError::Inexpressible { episode: e.id.clone(), step, source };
+        let text = format!("{}\n{}", language.render(&target).map_err(named)?, ask.answer);
+        Ok(Sample {
             episode: e.id.clone(),
             step,
             kind: SampleKind::Language,
             messages: vec![ChatMessage::text("assistant", text, true)],
             target,
-        }
+        })
     })
     .collect()
 }

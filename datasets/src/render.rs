@@ -2,7 +2,9 @@
 //!
 //! `index.html` lists the episodes; each episode gets a page with its task and ambiguous task and, for
 //! every step, the screenshot with the action drawn on it and, beside it, the instruction, the ASK/SAY
-//! dialogue (before the action, as the agent would see it) and the action JSON. The overlay is an inline
+//! dialogue (before the action, as the agent would see it) and the action as an action language writes it
+//! (askgui's JSON by default; in the data's screen pixels, with a warning where the language cannot say
+//! it). The overlay is an inline
 //! SVG whose `viewBox` is the episode's screen, so it is drawn in the same screen pixels the data stores
 //! and any frame bug shows up as a ring in the wrong place. Screenshots are copied into `img/` (each file
 //! once, however many steps share it) so the folder can be zipped or served as it is. Bad lines and
@@ -16,6 +18,7 @@ use thiserror::Error;
 
 use crate::action::{Action, Direction};
 use crate::episode::{read_episodes, resolve, Element, Episode, EpisodeError, Step};
+use crate::language::ActionLanguage;
 
 #[derive(Debug, Error)]
 pub enum RenderError {
@@ -43,8 +46,8 @@ pub struct RenderReport {
     pub bad_lines: usize,
 }
 
-/// Renders every episode of a JSONL file into `out` (created if needed).
-pub fn render_html(path: &Path, out: &Path) -> Result<RenderReport, RenderError> {
+/// Renders every episode of a JSONL file into `out` (created if needed), each action in `language`.
+pub fn render_html(path: &Path, out: &Path, language: ActionLanguage) -> Result<RenderReport, RenderError> {
     let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
     let lines = read_episodes(path)?;
     let img_dir = out.join("img");
@@ -69,7 +72,7 @@ pub fn render_html(path: &Path, out: &Path) -> Result<RenderReport, RenderError>
         let nav = Nav { prev: i.checked_sub(1).map(|j| names[j].as_str()), next: names.get(i + 1).map(String::as_str) };
         let shots = ep.steps.iter().map(|s| store.place(&base, &s.screenshot)).collect::<Result<Vec<_>, _>>()?;
         missing_images += shots.iter().filter(|s| matches!(s, Shot::Missing(_))).count();
-        let html = episode_page(ep, *line, &shots, &nav);
+        let html = episode_page(ep, *line, &shots, &nav, language);
         write(&out.join(format!("{}.html", names[i])), &html)?;
         bar.inc(1);
     }
@@ -325,7 +328,7 @@ fn platform(ep: &Episode) -> String {
     serde_json::to_value(ep.platform).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
-fn episode_page(ep: &Episode, line: usize, shots: &[Shot], nav: &Nav) -> String {
+fn episode_page(ep: &Episode, line: usize, shots: &[Shot], nav: &Nav, language: ActionLanguage) -> String {
     let mut h = head(&ep.id);
     h.push_str("<nav><a href=\"index.html\">index</a>");
     if let Some(p) = nav.prev {
@@ -363,7 +366,7 @@ fn episode_page(ep: &Episode, line: usize, shots: &[Shot], nav: &Nav) -> String 
     let _ = write!(h, "<span><i style=\"border:1px solid {ELEMENT};border-radius:0\"></i>elements</span>");
     h.push_str("</div>\n");
     for (i, (step, shot)) in ep.steps.iter().zip(shots).enumerate() {
-        step_section(&mut h, ep, i, step, shot);
+        step_section(&mut h, ep, i, step, shot, language);
     }
     h.push_str("</body>\n</html>\n");
     h
@@ -375,7 +378,7 @@ fn display_width(w: u32, h: u32) -> u32 {
     side.min(w.max(1) * 2)
 }
 
-fn step_section(h: &mut String, ep: &Episode, i: usize, step: &Step, shot: &Shot) {
+fn step_section(h: &mut String, ep: &Episode, i: usize, step: &Step, shot: &Shot, language: ActionLanguage) {
     let (w, hh) = (ep.screen.width.max(1), ep.screen.height.max(1));
     let disp = display_width(w, hh);
     let _ = writeln!(h, "<section class=\"step\" id=\"step-{i}\">");
@@ -426,7 +429,15 @@ fn step_section(h: &mut String, ep: &Episode, i: usize, step: &Step, shot: &Shot
             escape(&ask.answer)
         );
     }
-    let _ = writeln!(h, "<pre class=\"action\">{}</pre>", escape(&step.action.render()));
+    match language.render(&step.action) {
+        Ok(text) => {
+            let _ = writeln!(h, "<pre class=\"action\">{}</pre>", escape(&text));
+        }
+        Err(e) => {
+            let _ = writeln!(h, "<pre class=\"action\">{}</pre>", escape(&step.action.render()));
+            let _ = writeln!(h, "<p class=\"warn\">{}</p>", escape(&e.to_string()));
+        }
+    }
     if let Some(el) = target_element(step) {
         let _ = writeln!(
             h,

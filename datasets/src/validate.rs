@@ -3,13 +3,15 @@
 //! Checks: JSON and schema (unknown actions, missing fields), duplicate ids, screen size, images that are
 //! missing, unreadable or of another size than `screen`, points outside the screen, element references
 //! that are not in the step's element list, an `ask` on a step that is not informative, an `ask` in an
-//! episode without an ambiguous task, and an ambiguous task without any `ask` step.
+//! episode without an ambiguous task, and an ambiguous task without any `ask` step; with an action
+//! language, every action and question that language cannot say.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
 
 use crate::episode::{read_episodes, resolve, Episode, EpisodeError};
+use crate::language::ActionLanguage;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Problem {
@@ -41,6 +43,16 @@ pub struct Report {
 
 /// Validates a JSONL episode file; images are looked up relative to its folder.
 pub fn validate_file(path: &Path, check_images: bool) -> Result<Report, EpisodeError> {
+    validate_file_in(path, check_images, None)
+}
+
+/// [`validate_file`], and with a `language`, also that the language can say every step's action and
+/// question ([`check_language`]).
+pub fn validate_file_in(
+    path: &Path,
+    check_images: bool,
+    language: Option<ActionLanguage>,
+) -> Result<Report, EpisodeError> {
     let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
     let mut report = Report::default();
     let mut seen: HashMap<String, usize> = HashMap::new();
@@ -66,8 +78,25 @@ pub fn validate_file(path: &Path, check_images: bool) -> Result<Report, EpisodeE
             report.problems.push(Problem { line, episode: Some(ep.id.clone()), step, message })
         };
         check_episode(&ep, &base, check_images, &mut push);
+        if let Some(language) = language {
+            check_language(&ep, language, &mut push);
+        }
     }
     Ok(report)
+}
+
+/// Whether `language` can say each step's action and question, as a prompt without the element list
+/// writes them (an element id beside a point is left out there); `push(step, message)` receives each
+/// action it cannot say, by name.
+pub fn check_language(ep: &Episode, language: ActionLanguage, push: &mut impl FnMut(Option<usize>, String)) {
+    for (i, s) in ep.steps.iter().enumerate() {
+        let asked = s.ask.as_ref().map(|a| a.action());
+        for action in asked.iter().chain([&s.action]) {
+            if let Err(e) = language.check(&action.without_element()) {
+                push(Some(i), e.to_string());
+            }
+        }
+    }
 }
 
 /// The checks of one episode; `push(step, message)` receives each problem.

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use askgui_data::render::render_html;
 use askgui_data::stats::{stats, MISSING, UNREADABLE};
+use askgui_data::ActionLanguage;
 
 /// A fresh folder under cargo's per-test temporary directory (left there after a run, so that
 /// `target/tmp/stats_render-render/html/index.html` can be opened to look at the pages).
@@ -132,7 +133,7 @@ fn render_writes_a_self_contained_folder() -> Result<()> {
     let dir = temp_dir("render")?;
     let input = fixture(&dir)?;
     let out = dir.join("html");
-    let report = render_html(&input, &out)?;
+    let report = render_html(&input, &out, ActionLanguage::AskguiJson)?;
     assert_eq!(report.pages, 2);
     assert_eq!(report.index, out.join("index.html"));
     assert_eq!((report.images, report.missing_images, report.bad_lines), (4, 2, 1));
@@ -194,8 +195,25 @@ fn render_writes_a_self_contained_folder() -> Result<()> {
 }
 
 #[test]
+fn render_shows_the_actions_in_an_action_language() -> Result<()> {
+    let dir = temp_dir("render-ui-tars")?;
+    let input = fixture(&dir)?;
+    let out = dir.join("html");
+    render_html(&input, &out, ActionLanguage::UiTars)?;
+    let shop = std::fs::read_to_string(out.join("shop_1__x_.html"))?;
+    // The click of step 0 in UI-TARS's words, HTML-escaped, in the data's pixels.
+    assert!(step(&shop, 0).contains("Action: click(start_box=&#39;(50,60)&#39;)"), "{}", step(&shop, 0));
+    // A long press on an element alone: UI-TARS points at pixels only, so the page says why beside the JSON.
+    let plain = std::fs::read_to_string(out.join("plain.html"))?;
+    let p0 = step(&plain, 0);
+    assert!(p0.contains("<p class=\"warn\">the ui-tars action language cannot express `long_press`"), "{p0}");
+    assert!(p0.contains("{&quot;action&quot;:&quot;long_press&quot;"), "{p0}");
+    Ok(())
+}
+
+#[test]
 fn render_names_an_unreadable_input() {
     let dir = temp_dir("render-missing").unwrap();
-    let err = render_html(&dir.join("absent.jsonl"), &dir.join("html")).unwrap_err();
+    let err = render_html(&dir.join("absent.jsonl"), &dir.join("html"), ActionLanguage::AskguiJson).unwrap_err();
     assert!(err.to_string().contains("absent.jsonl"), "{err}");
 }

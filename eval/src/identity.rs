@@ -11,7 +11,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use askgui_data::agent_api::StepOptions;
-use askgui_data::{FrameKind, PromptConfig, SystemPrompt};
+use askgui_data::{ActionLanguage, FrameKind, PromptConfig, SystemPrompt};
 use askgui_model::KernelChoice;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -83,6 +83,9 @@ pub struct PromptIdentity {
     pub history_images: Option<usize>,
     pub elements: bool,
     pub system_prompt: Option<SystemPrompt>,
+    /// Absent for askgui's JSON, so the identities of results written before languages still match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action_language: Option<ActionLanguage>,
 }
 
 impl PromptIdentity {
@@ -95,6 +98,7 @@ impl PromptIdentity {
             history_images: Some(cfg.history_images),
             elements: cfg.elements,
             system_prompt: Some(cfg.system_prompt),
+            action_language: Some(cfg.action_language).filter(|l| *l != ActionLanguage::AskguiJson),
         }
     }
 }

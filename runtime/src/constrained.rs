@@ -1,4 +1,5 @@
-//! The arguments of an agent step's answer, after its action name: a template, or free text.
+//! The arguments of an agent step's answer in askgui's JSON language, after its action name: a template,
+//! or free text (free text in every language; the other languages' templates are in `language_args`).
 //!
 //! Key choice: with `constrain` (the default) the arguments follow the action's schema as a template:
 //! literal keys are forced, integers may only use digit tokens and stay inside the model frame
@@ -11,13 +12,15 @@
 //! required keys and brackets are always written, so a constrained answer can exceed it by those. Without `constrain` the model writes the rest freely and an answer
 //! that does not parse is an error.
 
+use askgui_data::ActionLanguage;
+
 use crate::decoding::Decoding;
 use crate::error::{Result, RuntimeError};
 use crate::runtime::{Runtime, MAX_INT_DIGITS};
 use crate::sampling::{best, normalise, pick};
 
 /// The longest `wait` a constrained answer may ask for.
-const MAX_WAIT_SECONDS: u64 = 60;
+pub(crate) const MAX_WAIT_SECONDS: u64 = 60;
 /// The most options a constrained `ask` may offer.
 pub const MAX_ASK_OPTIONS: usize = 6;
 
@@ -54,7 +57,7 @@ impl Runtime {
     }
 
     /// Writes the literal `lit` (fed at the next decision, in the text's own tokenisation).
-    fn force(&self, dec: &mut Decoding, text: &mut String, lit: &str) -> Result<()> {
+    pub(crate) fn force(&self, dec: &mut Decoding, text: &mut String, lit: &str) -> Result<()> {
         dec.generated += self.tokenizer.encode(lit)?.len();
         text.push_str(lit);
         Ok(())
@@ -62,7 +65,7 @@ impl Runtime {
 
     /// Decodes one integer in `0..=max`: digit tokens that keep the value in range, ended when a
     /// non-digit token would be more likely than any of them (or at [`MAX_INT_DIGITS`]).
-    fn int(&self, dec: &mut Decoding, text: &mut String, max: u64) -> Result<()> {
+    pub(crate) fn int(&self, dec: &mut Decoding, text: &mut String, max: u64) -> Result<()> {
         // The digits so far: their text, value and count (leading zeros count towards the length only).
         let (mut digits, mut value, mut len) = (String::new(), 0u64, 0u32);
         while dec.generated < dec.budget || len == 0 {
@@ -94,7 +97,7 @@ impl Runtime {
 
     /// Decodes the inside of a JSON string: tokens safe in a string until the model prefers to close it
     /// (a token that starts with a quote is more likely than any string token) or the budget ends.
-    fn string(&self, dec: &mut Decoding, text: &mut String) -> Result<()> {
+    pub(crate) fn string(&self, dec: &mut Decoding, text: &mut String) -> Result<()> {
         let mut n = 0;
         // At least one token: the schema has no empty strings (an `ask` needs a question).
         while n == 0 || dec.generated < dec.budget {
@@ -138,7 +141,7 @@ impl Runtime {
     }
 
     /// Picks one of `options` (each followed by `after`) by the model's probability.
-    fn choose(&self, dec: &mut Decoding, text: &mut String, options: &[&str], after: &str) -> Result<()> {
+    pub(crate) fn choose(&self, dec: &mut Decoding, text: &mut String, options: &[&str], after: &str) -> Result<()> {
         let (probs, lens) = self.score(dec, text, options, after)?;
         let i = pick(&probs, dec.temperature, &mut dec.rng, None);
         dec.generated += lens[i];
@@ -295,8 +298,9 @@ impl Runtime {
         self.force(dec, text, "\"]")
     }
 
-    /// The rest of the answer decoded freely, until the object closes, a stop token, or the budget.
-    pub(crate) fn free_args(&self, dec: &mut Decoding, text: &mut String) -> Result<()> {
+    /// The rest of the answer decoded freely, until the language's answer closes
+    /// ([`ActionLanguage::answer_closed`]), a stop token, or the budget.
+    pub(crate) fn free_args(&self, dec: &mut Decoding, text: &mut String, language: ActionLanguage) -> Result<()> {
         let mut toks = Vec::new();
         let start = text.len();
         while dec.generated < dec.budget {
@@ -310,7 +314,7 @@ impl Runtime {
             dec.generated += 1;
             text.truncate(start);
             text.push_str(&self.tokenizer.decode(&toks, true)?);
-            if askgui_data::parse::json_object_spans(text).first().is_some_and(|r| r.start == 0) {
+            if language.answer_closed(text) {
                 break;
             }
         }

@@ -6,7 +6,8 @@
 //!    ([`prompt`]);
 //! 2. the training prompt ([`askgui_data::step_messages`] in ChatML), then token ids with each image's
 //!    pads expanded ([`encode_chat`], which the trainer's data loader calls too);
-//! 3. decoding ([`step`]): the forced prefix `{"action":"`, the action names scored exactly, the
+//! 3. decoding ([`step`]): the action language's forced prefix (`{"action":"` in askgui's JSON), its
+//!    action names scored exactly, the
 //!    arguments constrained to the action's schema (or free), one sampler, one set of stop rules;
 //! 4. the parsed action, back in screen pixels.
 //!
@@ -20,6 +21,7 @@ mod constrained;
 mod decoding;
 mod error;
 mod forward;
+mod language_args;
 mod packed;
 pub mod prefix_cache;
 mod prompt;

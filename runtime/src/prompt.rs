@@ -172,8 +172,10 @@ impl Runtime {
             elements,
             frame,
             system: self.prompt.system_prompt,
+            language: self.prompt.action_language,
         };
-        let rendered = render_chatml(&step_messages(&ctx), true);
+        let messages = step_messages(&ctx).map_err(|e| RuntimeError::BadInput(e.to_string()))?;
+        let rendered = render_chatml(&messages, true);
         let merge = self.image_config.geometry.merge_size;
         let pads: Vec<usize> = images.iter().map(|(_, i)| i.num_tokens(merge)).collect();
         let ids = encode_chat(&self.tokenizer, &rendered, &pads)?.ids;

@@ -58,6 +58,7 @@ impl Runtime {
     /// model's image processor's (set them with [`apply_image_bounds`] first), so the frame in the prompt
     /// is always the size of the image the model sees.
     pub fn new(model: &Qwen2Vl, prompt: PromptConfig) -> Result<Self> {
+        prompt.check().map_err(|e| RuntimeError::BadInput(e.to_string()))?;
         let tokenizer = model.tokenizer()?;
         let mut stop_tokens = model.eos_token_ids.clone();
         if let Some(id) = tokenizer.token_id(IM_END) {
@@ -69,19 +70,25 @@ impl Runtime {
         let specials = [model.cfg.image_token_id, model.cfg.vision_start_token_id, model.cfg.vision_end_token_id];
         let (mut digit_token, mut string_token) = (vec![None; vocab], vec![false; vocab]);
         let mut closing_tokens = Vec::new();
+        // The quotes a string's tokens may not hold, and that close it: UI-TARS's single-quoted literals
+        // may hold an option's JSON, so neither quote there; JSON's double quote elsewhere.
+        let quotes: &[char] = match prompt.action_language {
+            askgui_data::ActionLanguage::UiTars => &['\'', '"'],
+            _ => &['"'],
+        };
         for id in 0..vocab as u32 {
             let Ok(text) = tokenizer.decode(&[id], false) else { continue };
             let special = specials.contains(&id) || stop_tokens.contains(&id) || text.contains("<|");
             if !text.is_empty() && text.len() <= MAX_INT_DIGITS && text.bytes().all(|b| b.is_ascii_digit()) {
                 digit_token[id as usize] = text.parse().ok().map(|v| (v, text.len() as u32));
             }
-            if !special && text.starts_with('"') {
+            if !special && text.starts_with(quotes) {
                 closing_tokens.push(id);
             }
             string_token[id as usize] = !special
                 && !text.is_empty()
                 && !text.contains('\u{fffd}')
-                && !text.chars().any(|c| c == '"' || c == '\\' || c.is_control());
+                && !text.chars().any(|c| quotes.contains(&c) || c == '\\' || c.is_control());
         }
         let ic = &model.image_config;
         let (min_pixels, max_pixels, token_side) = (ic.min_pixels, ic.max_pixels, ic.geometry.factor());

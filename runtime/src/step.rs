@@ -1,16 +1,16 @@
 //! Steps 3 and 4 of the chain: decoding an agent step's answer, and the action back in screen pixels.
 //!
-//! Key choice: after the forced prefix `{"action":"`, every action name's tokens are scored from a copy
-//! of the KV cache: the model's exact distribution over the 15 names, whose `ask` entry is
-//! `ask_probability` (with `pause_threshold` the answer is `ask` exactly when
-//! `ask_probability >= pause_threshold`). The arguments follow ([`crate::constrained`]), then the answer
-//! is parsed and converted to screen pixels.
+//! Key choice: after the action language's forced prefix (`{"action":"`, `Action: `, `<tool_call>...`),
+//! every action name's tokens are scored from a copy of the KV cache: the model's exact distribution over
+//! the language's names, whose ASK entry (`ask`, `call_user`, `ask_user_question`) is `ask_probability`
+//! (with `pause_threshold` the answer is ASK exactly when `ask_probability >= pause_threshold`). The
+//! arguments follow ([`crate::constrained`], [`crate::language_args`]), then the answer is parsed in the
+//! language and converted to screen pixels.
 
 use std::time::Instant;
 
-use askgui_data::action::ACTION_NAMES;
 use askgui_data::agent_api::{AgentStepResponse, FrameInfo, StepOptions, Timings, Usage};
-use askgui_data::{Action, FrameMap};
+use askgui_data::{Action, ActionLanguage, FrameMap};
 
 use crate::constrained::Schema;
 use crate::decoding::Decoding;
@@ -68,7 +68,10 @@ impl Runtime {
     ) -> Result<StepOutput> {
         let t_start = Instant::now();
         let prompt = self.prompt(step)?;
-        let prefix = self.tokenizer.encode("{\"action\":\"")?;
+        let language = self.prompt.action_language;
+        let constrain = opts.constrain.unwrap_or(true);
+        let lead = language.answer_prefix();
+        let prefix = self.tokenizer.encode(lead)?;
         let ids: Vec<u32> = prompt.ids.iter().chain(&prefix).copied().collect();
         let max_tokens = opts.max_tokens.unwrap_or(DEFAULT_STEP_TOKENS);
         self.check_context(ids.len(), max_tokens)?;
@@ -81,34 +84,43 @@ impl Runtime {
         let temperature = opts.temperature.unwrap_or(0.0);
         let mut dec = Decoding::new(seq, temperature, opts.seed.unwrap_or(0), 0, cancelled);
         // The exact distribution over action names after the forced prefix, each name in the
-        // tokenisation training gives it (no name is a prefix of another).
-        let mut text = String::from("{\"action\":\"");
-        let (probs, lens) = self.score(&mut dec, &text, &ACTION_NAMES, "")?;
-        let ask = ACTION_NAMES.iter().position(|&n| n == "ask").expect("ask is an action");
+        // tokenisation training gives it. The JSON names are scored alone, as they always were (none is a
+        // prefix of another); the other languages' with their end (tool-call's `left_click` is a prefix
+        // of `left_click_drag`).
+        let mut text = String::from(lead);
+        let names = language.action_names();
+        let scored_end = if language == ActionLanguage::AskguiJson { "" } else { language.name_end() };
+        let (probs, lens) = self.score(&mut dec, &text, names, scored_end)?;
+        let ask = names.iter().position(|&n| n == language.ask_name()).expect("every language can ask");
         let ask_probability = probs[ask];
         let choice = match opts.pause_threshold {
             Some(th) if ask_probability >= th => ask,
             Some(_) => pick(&probs, temperature, &mut dec.rng, Some(ask)),
             None => pick(&probs, temperature, &mut dec.rng, None),
         };
-        text.push_str(ACTION_NAMES[choice]);
-        text.push('"');
+        text.push_str(names[choice]);
+        text.push_str(language.name_end());
         dec.budget = max_tokens.saturating_sub(lens[choice]);
-        if opts.constrain.unwrap_or(true) {
+        if constrain {
             let schema = Schema {
                 frame: prompt.frame.model,
                 elements: &prompt.element_ids,
                 screenshot: !prompt.images.is_empty(),
             };
-            self.constrained_args(&mut dec, ACTION_NAMES[choice], &mut text, &schema)?;
+            match language {
+                ActionLanguage::AskguiJson => self.constrained_args(&mut dec, names[choice], &mut text, &schema)?,
+                ActionLanguage::UiTars => self.ui_tars_args(&mut dec, names[choice], &mut text, &schema)?,
+                ActionLanguage::ToolCall => self.tool_call_args(&mut dec, names[choice], &mut text, &schema)?,
+            }
         } else {
-            self.free_args(&mut dec, &mut text)?;
+            self.free_args(&mut dec, &mut text, language)?;
         }
         let decode_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let parsed = askgui_data::parse::parse_answer(&text)
+        let parsed = language
+            .parse(&text)
             .map(|p| (prompt.frame.action_to_screen(&p.action), p.action))
             .map_err(|e| e.to_string());
-        if opts.constrain.unwrap_or(true) {
+        if constrain {
             if let Err(e) = &parsed {
                 return Err(RuntimeError::Internal(format!("a constrained answer did not parse ({e}): {text:?}")));
             }

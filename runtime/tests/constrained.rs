@@ -279,3 +279,83 @@ fn qwen3_vl_answers_in_its_native_0_1000_frame_and_the_runtime_returns_screen_pi
     let (_, model_frame) = out.parsed.unwrap_or_else(|e| panic!("{e}: {}", out.raw));
     assert!(model_frame.points().iter().all(|&(x, y)| x < 1000 && y < 1000), "{}", out.raw);
 }
+
+/// Every action kind of each non-JSON language (each of its action names, with and without its optional
+/// arguments), as protocol actions in the model frame; the language's rendering of each is the target.
+fn language_actions() -> Vec<Action> {
+    use askgui_data::{Ask, AskKind, AskOption, Direction, DoneStatus, Segment, Target};
+    let option = |l: &str| AskOption { label: l.into(), detail: None };
+    let ask = |options: Vec<AskOption>, kind| Action::Ask(Ask { question: "Which size?".into(), options, kind });
+    vec![
+        Action::Click(Target::point(10, 20)),
+        Action::DoubleClick(Target::point(100, 5)),
+        Action::RightClick(Target::point(0, 0)),
+        Action::LongPress(Target::point(3, 70)),
+        Action::Drag(Segment { x1: 1, y1: 2, x2: 30, y2: 40 }),
+        Action::Swipe(Segment { x1: 10, y1: 80, x2: 10, y2: 5 }),
+        Action::Scroll { x: Some(50), y: Some(40), direction: Direction::Down },
+        Action::Scroll { x: None, y: None, direction: Direction::Left },
+        Action::Type { text: "oat milk".into() },
+        Action::Press { key: "enter".into() },
+        Action::Press { key: "back".into() },
+        Action::Press { key: "home".into() },
+        Action::Hotkey { keys: vec!["ctrl".into(), "shift".into(), "t".into()] },
+        Action::OpenApp { name: "Shop".into() },
+        Action::Wait { seconds: 3.0 },
+        Action::Wait { seconds: 5.0 },
+        ask(vec![], None),
+        ask(vec![option("Small"), option("Large")], Some(AskKind::Selection)),
+        ask(vec![], Some(AskKind::Specification)),
+        Action::Answer { text: "42".into() },
+        Action::Done { status: DoneStatus::Success },
+        Action::Done { status: DoneStatus::Infeasible },
+    ]
+}
+
+/// In UI-TARS's and the tool-call language, the constrained decoder writes each action kind as steered,
+/// and the text parses in the language back to the steered action: every name the language has is
+/// written (UI-TARS cannot say a failed `done`, so that one is left out there).
+#[test]
+fn every_action_kind_of_every_language_is_written_as_steered_and_parses_back() {
+    use askgui_data::ActionLanguage;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl");
+    let model = Qwen2Vl::load(&dir.display().to_string(), &Device::Cpu, DType::F32).unwrap();
+    let vocab = model.cfg.text.vocab_size as u32;
+    for language in [ActionLanguage::UiTars, ActionLanguage::ToolCall] {
+        let frame = language.native_frame().expect("a frame of its own");
+        let prompt = PromptConfig { action_language: language, frame, ..PromptConfig::default() };
+        let rt = Runtime::new(&model, prompt).unwrap().with_prefix_cache(0);
+        let texts: Vec<String> = (0..vocab).map(|t| rt.tokenizer().decode(&[t], false).unwrap_or_default()).collect();
+        let shots = [screenshot(112, 84)];
+        let step = Step { task: "Buy oat milk", history: &[], screenshots: &shots, elements: None, screen: None };
+        let mut names: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
+        for action in language_actions() {
+            let Ok(target) = language.render(&action) else { continue };
+            let out = rt.step(&Steer::new(&texts, &target), &step, &StepOptions::default(), &|| false).unwrap();
+            let (_, got) = out.parsed.unwrap_or_else(|e| panic!("{language:?} {target}: {e}: {}", out.raw));
+            assert_eq!(out.raw, target, "{language:?}: the steered text is written as it is");
+            assert_eq!(got, language.normal_form(&action), "{language:?} {target}");
+            let rest = &target[language.answer_prefix().len()..];
+            names.extend(
+                language
+                    .action_names()
+                    .iter()
+                    .copied()
+                    .filter(|n| rest.starts_with(&format!("{n}{}", language.name_end()))),
+            );
+        }
+        assert_eq!(names.len(), language.action_names().len(), "{language:?}: every action name, got {names:?}");
+        // Decoded freely, the answer ends where the language's answer closes (the steering stops there,
+        // so any token after it would be noise), quotes and brackets inside its strings included.
+        let free = StepOptions { constrain: Some(false), ..StepOptions::default() };
+        let said = language.render(&Action::Answer { text: "a) b] \"c\" }".into() }).unwrap();
+        let out = rt.step(&Steer::new(&texts, &said), &step, &free, &|| false).unwrap();
+        assert_eq!(out.raw, said, "{language:?}");
+        // Steered off the frame, the point stays inside it (112x84 pixels, or 0-1000).
+        let off = language.render(&Action::Click(askgui_data::Target::point(5000, 20))).unwrap();
+        let out = rt.step(&Steer::new(&texts, &off), &step, &StepOptions::default(), &|| false).unwrap();
+        let (_, got) = out.parsed.unwrap_or_else(|e| panic!("{language:?}: {e}: {}", out.raw));
+        let (w, h) = out.frame.model;
+        assert!(got.points().iter().all(|&(x, y)| x < w as i32 && y < h as i32), "{language:?}: {}", out.raw);
+    }
+}

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use askgui_data::prompt::SystemPrompt;
 pub use askgui_data::AdapterArg;
-use askgui_data::FrameKind;
+use askgui_data::{ActionLanguage, FrameKind};
 use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, Quantize};
 use clap::{Args, Parser, Subcommand};
 use serde::{Serialize, Serializer};
@@ -111,6 +111,10 @@ pub struct Config {
     /// the model folder, else resized].
     #[arg(long, env = "ASKGUI_SERVE_FRAME", value_enum)]
     pub frame: Option<FrameKind>,
+    /// The action language the model writes (the OpenAI endpoint returns its text, the agent API the
+    /// action) [default: the askgui.json of the adapters or of the model folder, else askgui].
+    #[arg(long, env = "ASKGUI_SERVE_ACTION_LANGUAGE", value_enum)]
+    pub action_language: Option<ActionLanguage>,
     /// Whether a request's element list goes into the prompt [default: the askgui.json of the adapters or
     /// of the model folder, else true].
     #[arg(long, env = "ASKGUI_SERVE_ELEMENTS", num_args = 0..=1, default_missing_value = "true")]

@@ -65,6 +65,7 @@ impl From<&Config> for ModelBackendConfig {
             prompt: PromptFlags {
                 system_prompt: cfg.system_prompt,
                 frame: cfg.frame,
+                action_language: cfg.action_language,
                 min_pixels: cfg.min_pixels,
                 max_pixels: cfg.max_pixels,
                 elements: cfg.elements,
@@ -116,6 +117,7 @@ fn differing(flags: &PromptFlags, a: &AdapterCard, b: &AdapterCard) -> Vec<(&'st
     let candidates = [
         ("system-prompt", flags.system_prompt.is_none(), named(&pa.system_prompt), named(&pb.system_prompt)),
         ("frame", flags.frame.is_none(), named(&pa.frame), named(&pb.frame)),
+        ("action-language", flags.action_language.is_none(), named(&pa.action_language), named(&pb.action_language)),
         ("min-pixels", flags.min_pixels.is_none(), a.image.min_pixels.to_string(), b.image.min_pixels.to_string()),
         ("max-pixels", flags.max_pixels.is_none(), a.image.max_pixels.to_string(), b.image.max_pixels.to_string()),
         ("elements", flags.elements.is_none(), pa.elements.to_string(), pb.elements.to_string()),
@@ -282,10 +284,12 @@ fn bind_or_log(device: &candle_core::Device) {
 }
 
 /// The server's prompt settings: the flags (after askgui.json) and, unless a flag or card says otherwise, a
-/// request's element list shown; `native` is the model family's frame, for when neither a flag nor a card
-/// sets one. The earlier screenshots shown are the card's (`--history-images` of training), else none.
+/// request's element list shown in askgui's JSON (the other languages point at pixels only); `native` is
+/// the model family's frame, for when neither a flag nor a card sets one. The earlier screenshots shown
+/// are the card's (`--history-images` of training), else none.
 fn served_prompt(flags: &PromptFlags, native: askgui_data::FrameKind) -> PromptConfig {
-    PromptConfig { elements: flags.elements.unwrap_or(true), ..flags.config_in(native) }
+    let json = flags.action_language.unwrap_or_default() == askgui_data::ActionLanguage::AskguiJson;
+    PromptConfig { elements: flags.elements.unwrap_or(json), ..flags.config_in(native) }
 }
 
 impl Backend for ModelBackend {

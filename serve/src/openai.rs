@@ -152,7 +152,7 @@ fn refuse_unsupported(req: &ChatRequest) -> Result<(), HttpError> {
     }
     let format = req.response_format.as_ref().map(|f| f.get("type").and_then(Value::as_str).unwrap_or("?"));
     if format.is_some_and(|t| t != "text") {
-        return refuse("response_format", "only `text`: the model writes its own action JSON");
+        return refuse("response_format", "only `text`: the model writes its action in its own action language");
     }
     if req.modalities.as_ref().is_some_and(|m| m.iter().any(|m| m != "text")) || req.audio.is_some() {
         return refuse("modalities", "this server answers text only (no `audio`)");

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use askgui_data::adapter_card::CardPause;
 use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, StepOptions};
-use askgui_data::{AdapterCard, FrameKind, PromptConfig, SystemPrompt};
+use askgui_data::{ActionLanguage, AdapterCard, FrameKind, PromptConfig, SystemPrompt};
 use askgui_serve::backend::{ImageInput, StepJob};
 use askgui_serve::model_backend::{ModelBackend, ModelBackendConfig};
 use clap::Parser;
@@ -124,23 +124,36 @@ fn every_disagreement_is_named_at_once() {
             system_prompt: SystemPrompt::Compact,
             frame: FrameKind::Relative1000,
             elements: true,
+            action_language: ActionLanguage::ToolCall,
             ..Default::default()
         },
     );
     let (r, _) = step(&config(&[], &[("a", &a), ("b", &b)]));
     let e = format!("{:#}", r.unwrap_err());
-    // PromptConfig::default() is full / resized / no elements; `b` differs from it in all four.
+    // PromptConfig::default() is full / resized / askgui / no elements; `b` differs from it in all five.
     for named in [
         "system-prompt full vs compact",
         "frame resized vs relative1000",
         "max-pixels 12544 vs 57344",
         "elements false vs true",
-        "--system-prompt and --frame and --max-pixels and --elements",
+        "action-language askgui vs tool-call",
+        "--system-prompt and --frame and --action-language and --max-pixels and --elements",
     ] {
         assert!(e.contains(named), "`{named}` is not in: {e}");
     }
     assert!(!e.contains("min-pixels"), "the cards agree on min-pixels: {e}");
-    let settle = ["--system-prompt", "full", "--frame", "resized", "--max-pixels", "12544", "--elements", "false"];
+    let settle = [
+        "--system-prompt",
+        "full",
+        "--frame",
+        "resized",
+        "--action-language",
+        "askgui",
+        "--max-pixels",
+        "12544",
+        "--elements",
+        "false",
+    ];
     let (r, _) = step(&config(&settle, &[("a", &a), ("b", &b)]));
     assert!(area(&r.unwrap()) <= 12_544);
 }

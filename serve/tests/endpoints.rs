@@ -168,8 +168,9 @@ fn a_session_remembers_the_users_answers_and_statements_across_tasks() {
         elements: None,
         frame,
         system: askgui_data::SystemPrompt::Full,
+        language: askgui_data::ActionLanguage::AskguiJson,
     };
-    let prompt = askgui_data::render_chatml(&askgui_data::step_messages(&ctx), true).text;
+    let prompt = askgui_data::render_chatml(&askgui_data::step_messages(&ctx).unwrap(), true).text;
     for line in
         ["SAY: I am vegan.", "ASK: Which one do you mean?", "SAY: Oat milk, please.", "SAY: Deliver after 6 pm."]
     {

@@ -74,8 +74,9 @@ fn ask_probability_is_the_models_distribution_over_action_names() -> anyhow::Res
         elements: None,
         frame,
         system: askgui_data::prompt::SystemPrompt::Full,
+        language: askgui_data::ActionLanguage::AskguiJson,
     };
-    let text = askgui_data::prompt::render_chatml(&askgui_data::prompt::step_messages(&ctx), true).text;
+    let text = askgui_data::prompt::render_chatml(&askgui_data::prompt::step_messages(&ctx)?, true).text;
     let mut ids = tok.encode_prompt(&text, &[img.num_tokens(model.image_config.geometry.merge_size)])?;
     // Each name in the tokenisation training gives the answer's text `{"action":"<name>`, scored from
     // where the names' tokens part from the prefix's.

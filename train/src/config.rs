@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use askgui_data::{FrameKind, SystemPrompt, TaskMode};
+use askgui_data::{ActionLanguage, FrameKind, SystemPrompt, TaskMode};
 use askgui_model::AdapterLayout;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, FromArgMatches, ValueEnum};
@@ -135,8 +135,8 @@ pub struct DataArgs {
     #[arg(long, value_enum, value_delimiter = ',')]
     #[serde(default)]
     pub extra_task_modes: Vec<TaskMode>,
-    /// Coordinate frame the model reads and writes [default: the family's own: resized-image pixels for
-    /// Qwen2/2.5-VL, relative 0-1000 for Qwen3-VL].
+    /// Coordinate frame the model reads and writes [default: the action language's own (ui-tars: resized
+    /// pixels, tool-call: 0-1000), else the family's: resized pixels for Qwen2/2.5-VL, 0-1000 for Qwen3-VL].
     #[arg(long, value_enum)]
     #[serde(default)]
     pub frame: Option<FrameKind>,
@@ -160,6 +160,11 @@ pub struct DataArgs {
     #[arg(long, value_enum, default_value_t = SystemPrompt::Full)]
     #[serde(default)]
     pub system_prompt: SystemPrompt,
+    /// The action language the model writes: askgui's JSON, or an existing agent's own (`ui-tars`,
+    /// `tool-call`) so that its front end parses it; recorded in the adapter's askgui.json.
+    #[arg(long, value_enum, default_value_t = ActionLanguage::AskguiJson)]
+    #[serde(default)]
+    pub action_language: ActionLanguage,
     /// Context length in tokens: longer samples lose their oldest history until they fit.
     #[arg(long, default_value_t = 8192)]
     pub max_seq_len: usize,
@@ -545,6 +550,9 @@ impl TrainConfig {
         if self.data.data.is_none() {
             return bad("no training data: pass --data FILE.jsonl (or `data = ...` under [data] in --config)".into());
         }
+        if let Err(e) = self.data.action_language.check_system_prompt(self.data.system_prompt) {
+            return bad(e.to_string());
+        }
         if !(self.data.region_weight.is_finite() && self.data.region_weight >= 0.0) {
             return bad(format!("--region-weight is {}; it must be >= 0 (0: off)", self.data.region_weight));
         }
@@ -691,6 +699,12 @@ mod tests {
         assert!(c.to_toml().contains("prefetch = 0"), "{}", c.to_toml());
         let e = parse(&["--model", "m", "--data", "d", "--prefetch", "17"]).unwrap_err().to_string();
         assert!(e.contains("--prefetch 17") && e.contains("at most 16"), "{e}");
+        let c = parse(&["--model", "m", "--data", "d", "--action-language", "ui-tars"]).unwrap();
+        assert_eq!(c.data.action_language, ActionLanguage::UiTars);
+        let e = parse(&["--model", "m", "--data", "d", "--action-language", "tool-call", "--system-prompt", "compact"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--system-prompt compact") && e.contains("tool-call"), "{e}");
     }
 
     #[test]

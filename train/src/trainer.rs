@@ -189,13 +189,14 @@ fn data_options(cfg: &TrainConfig, model: &Qwen2Vl) -> DataOptions {
     let (d, ic) = (&cfg.data, &model.image_config);
     DataOptions {
         prompt: PromptConfig {
-            frame: d.frame.unwrap_or(askgui_runtime::native_frame(model.arch())),
+            frame: d.frame.or(d.action_language.native_frame()).unwrap_or(askgui_runtime::native_frame(model.arch())),
             min_pixels: ic.min_pixels,
             max_pixels: ic.max_pixels,
             history_images: d.history_images,
             elements: d.elements,
             system_prompt: d.system_prompt,
             token_side: ic.geometry.factor(),
+            action_language: d.action_language,
         },
         task_mode: d.task_mode,
         extra_task_modes: d.extra_task_modes.clone(),

@@ -33,6 +33,7 @@ fn run_options() -> DataOptions {
             elements: true,
             system_prompt: SystemPrompt::Compact,
             token_side: 28,
+            action_language: Default::default(),
         },
         task_mode: Default::default(),
         extra_task_modes: vec![],

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use askgui_data::agent_api::StepOptions;
 use askgui_data::synth::{synth, SynthArgs};
-use askgui_data::{read_episodes, FrameKind, LoadedEpisode, PromptConfig, PromptFlags, TaskMode, Turn};
+use askgui_data::{
+    read_episodes, Action, ActionLanguage, FrameKind, LoadedEpisode, PromptConfig, PromptFlags, TaskMode, Turn,
+};
 use askgui_eval::agent::{Agent, Prediction, StepInput};
 use askgui_eval::backends::inprocess::runtime_step;
 use askgui_eval::backends::{EndpointAgent, EndpointConfig, InProcessAgent};
@@ -22,7 +24,7 @@ use askgui_serve::backend::StepJob;
 use askgui_serve::config::Config;
 use askgui_serve::model_backend::{ModelBackend, ModelBackendConfig};
 use askgui_train::agent_eval::lend;
-use askgui_train::data::{load_dataset, DataOptions};
+use askgui_train::data::{load_dataset, DataOptions, PreparedSample};
 use candle_core::{DType, Device};
 
 /// The pixel bound the steps are shown at (small screens keep the test fast).
@@ -130,13 +132,14 @@ fn trainer_agent(f: Family, history_images: usize) -> InProcessAgent {
     lend(model, &PromptConfig { token_side, ..prompt(f, history_images) }, MAX_TOKENS).unwrap()
 }
 
-/// The prompt ids of the training samples of `path`, up to each sample's first supervised token.
-fn training_prompts(f: Family, path: &Path, history_images: usize) -> Vec<Vec<u32>> {
+/// The training samples of `path` with `prompt` (and the model's processor's bounds, as the trainer sets
+/// them).
+fn samples(f: Family, path: &Path, prompt: PromptConfig) -> Vec<PreparedSample> {
     let mut model = Qwen2Vl::load(&fixture(f).display().to_string(), &Device::Cpu, DType::F32).unwrap();
     model.image_config.max_pixels = MAX_PIXELS;
     let (min_pixels, token_side) = (model.image_config.min_pixels, model.image_config.geometry.factor());
     let opts = DataOptions {
-        prompt: PromptConfig { min_pixels, token_side, ..prompt(f, history_images) },
+        prompt: PromptConfig { min_pixels, token_side, ..prompt },
         task_mode: TaskMode::Ambiguous,
         extra_task_modes: vec![],
         history_length: 0,
@@ -147,9 +150,17 @@ fn training_prompts(f: Family, path: &Path, history_images: usize) -> Vec<Vec<u3
         dialog_repeat: 1,
         region_words: false,
     };
-    let data = load_dataset(path, &opts, &model.tokenizer().unwrap(), &model.image_config).unwrap();
-    let cut = |s: &askgui_train::data::PreparedSample| s.ids[..s.labels_mask.iter().position(|&m| m).unwrap()].to_vec();
-    data.samples.iter().map(cut).collect()
+    load_dataset(path, &opts, &model.tokenizer().unwrap(), &model.image_config).unwrap().samples
+}
+
+/// Where a sample's supervised tokens start.
+fn prompt_end(s: &PreparedSample) -> usize {
+    s.labels_mask.iter().position(|&m| m).unwrap()
+}
+
+/// The prompt ids of the training samples of `path`, up to each sample's first supervised token.
+fn training_prompts(f: Family, path: &Path, history_images: usize) -> Vec<Vec<u32>> {
+    samples(f, path, prompt(f, history_images)).iter().map(|s| s.ids[..prompt_end(s)].to_vec()).collect()
 }
 
 fn ids(agent: &InProcessAgent, input: &StepInput) -> Vec<u32> {
@@ -257,4 +268,99 @@ fn server_agrees(f: Family) {
         assert!(answer.same_answer(&t), "{what}: the server and the trainer's eval differ: {answer:?} vs {t:?}");
     }
     server.stop();
+}
+
+/// The prompt settings askgui-train resolves for `--action-language L --max-pixels 12544`: the
+/// language's own frame, and no element list (these languages point at pixels only).
+fn language_prompt(language: ActionLanguage) -> PromptConfig {
+    let frame = language.native_frame().expect("a frame of its own");
+    PromptConfig { action_language: language, frame, elements: false, ..prompt(FAMILIES[0], 0) }
+}
+
+#[test]
+fn in_the_agents_own_languages_training_eval_the_trainer_and_the_server_ask_the_same() {
+    let path = episodes("languages");
+    // The first episode's steps (its samples come first in the training data).
+    let inputs: Vec<StepInput> = loaded(&path).iter().take(1).flat_map(steps).collect();
+    assert!(inputs.iter().any(|i| i.history.iter().any(|t| matches!(t, Turn::Say { .. }))), "no SAY turn");
+    assert!(inputs.len() >= 3, "a few steps with earlier actions");
+    for language in [ActionLanguage::UiTars, ActionLanguage::ToolCall] {
+        eprintln!("{language:?}:");
+        language_agrees(language, &path, &inputs);
+    }
+}
+
+/// The server's backend as `askgui-serve --action-language L` loads it (no element list unless told to),
+/// and an askgui-serve client that sends each step's element list.
+fn language_server(language: ActionLanguage) -> (Config, ModelBackend, EndpointAgent) {
+    let mut cfg = server_config(FAMILIES[0]);
+    cfg.action_language = Some(language);
+    cfg.history_images = Some(0);
+    let backend = ModelBackend::load(&ModelBackendConfig::from(&cfg)).unwrap();
+    let endpoint = EndpointConfig {
+        base: "http://127.0.0.1:9".into(),
+        adapter: None,
+        timeout_s: 60.0,
+        retries: 0,
+        backoff_ms: 10,
+        options: options(),
+        elements: true,
+        history_images: Some(0),
+    };
+    (cfg, backend, EndpointAgent::new(endpoint).unwrap())
+}
+
+fn language_agrees(language: ActionLanguage, path: &Path, inputs: &[StepInput]) {
+    let f = FAMILIES[0];
+    // askgui-eval with the card's language and no --frame: the language's frame applies.
+    let flags = PromptFlags {
+        max_pixels: Some(MAX_PIXELS),
+        history_images: Some(0),
+        elements: Some(false),
+        action_language: Some(language),
+        ..PromptFlags::default()
+    };
+    let eval =
+        InProcessAgent::load(&fixture(f).display().to_string(), None, &flags, options(), Default::default()).unwrap();
+    assert_eq!(Some(eval.runtime().prompt_config().frame), language.native_frame());
+    let mut model = Qwen2Vl::load(&fixture(f).display().to_string(), &Device::Cpu, DType::F32).unwrap();
+    model.image_config.max_pixels = MAX_PIXELS;
+    let token_side = model.image_config.geometry.factor();
+    let trainer = lend(model, &PromptConfig { token_side, ..language_prompt(language) }, MAX_TOKENS).unwrap();
+    let samples = samples(f, path, language_prompt(language));
+    let (cfg, backend, client) = language_server(language);
+    let text = |ids: &[u32]| eval.runtime().tokenizer().decode(ids, false).unwrap();
+    let lead = language.answer_prefix();
+    for (input, sample) in inputs.iter().zip(&samples) {
+        let what =
+            format!("{language:?} {} step {} ({} history turns)", input.episode_id, input.step, input.history.len());
+        let e = ids(&eval, input);
+        assert_eq!(e, ids(&trainer, input), "{what}: eval and the trainer's eval differ");
+        let cut = prompt_end(sample);
+        assert_eq!(e, sample.ids[..cut], "{what}: the training sample's prompt differs from the runtime's");
+        let request = client.request(input).unwrap();
+        let bytes = request.observation.screenshot_bytes().unwrap().expect("a screenshot");
+        let shot = askgui_serve::images::decode(&bytes, cfg.max_image_pixels, "screenshot").unwrap();
+        let job = StepJob::new(request, Some(shot));
+        let served = backend.runtime().prompt(&askgui_serve::model_backend::runtime_step(&job)).unwrap().ids;
+        assert_eq!(served, e, "{what}: the server and eval differ");
+        // The prompt is the language's: its ASK in the action space, earlier actions written in it.
+        let prompt = text(&e);
+        assert!(
+            prompt.contains(language.ask_name()) && !prompt.contains(ActionLanguage::AskguiJson.answer_prefix()),
+            "{what}: {prompt}"
+        );
+        let acted =
+            input.history.iter().any(|t| matches!(t, Turn::Agent { action } if !matches!(action, Action::Ask(_))));
+        assert_eq!(prompt.contains(&format!("History:\n1. {lead}")), acted, "{what}: {prompt}");
+        // The target is the language's text, which its parser reads.
+        let target = text(&sample.ids[cut..]);
+        let target = target.split(askgui_data::prompt::IM_END).next().unwrap();
+        assert!(target.starts_with(lead), "{what}: {target}");
+        language.parse(target).unwrap_or_else(|e| panic!("{what}: {target}: {e}"));
+        let (a, t) = (predict(&eval, input), predict(&trainer, input));
+        assert!(a.same_answer(&t), "{what}: {a:?} vs {t:?}");
+        assert!(a.raw.starts_with(lead), "{what}: the answer is the language's text: {}", a.raw);
+        assert!(a.parse_error.is_none(), "{what}: the constrained answer parses: {a:?}");
+    }
 }

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use askgui_data::agent_api::StepOptions;
 use askgui_data::prompt::StepContext;
-use askgui_data::{parse_answer, Action, ChatMessage, FrameMap, PromptConfig, PromptFlags};
+use askgui_data::{Action, ActionLanguage, ChatMessage, FrameMap, PromptConfig, PromptFlags};
 use askgui_model::{DTypeChoice, DeviceKind, KernelChoice, LoadOptions};
 
 use crate::agent::{Agent, AgentError, Prediction, StepInput};
@@ -207,13 +207,14 @@ pub(crate) fn prompt_screenshots(input: &StepInput, cfg: &PromptConfig) -> Resul
     Ok(input.screenshots[first..].to_vec())
 }
 
-/// The chat messages of one step in the model frame `frame` (the same prompt training builds).
+/// The chat messages of one step in the model frame `frame` and `cfg`'s action language (the same
+/// prompt training builds); a history action the language cannot say is an input error naming the step.
 pub(crate) fn messages_for(
     input: &StepInput,
     cfg: &PromptConfig,
     frame: FrameMap,
     screenshots: Vec<PathBuf>,
-) -> Vec<ChatMessage> {
+) -> Result<Vec<ChatMessage>, AgentError> {
     let elements = if cfg.elements { input.elements.as_deref() } else { None };
     let ctx = StepContext {
         task: &input.task,
@@ -222,13 +223,16 @@ pub(crate) fn messages_for(
         elements,
         frame,
         system: cfg.system_prompt,
+        language: cfg.action_language,
     };
     askgui_data::step_messages(&ctx)
+        .map_err(|e| AgentError::Input(format!("episode {} step {}: {e}", input.episode_id, input.step)))
 }
 
-/// The prediction from a raw reply: parsed, and converted from the model frame to screen pixels.
-pub(crate) fn prediction_from_reply(raw: String, frame: &FrameMap) -> Prediction {
-    match parse_answer(&raw) {
+/// The prediction from a raw reply: parsed in `language`, and converted from the model frame to screen
+/// pixels.
+pub(crate) fn prediction_from_reply(raw: String, frame: &FrameMap, language: ActionLanguage) -> Prediction {
+    match language.parse(&raw) {
         Ok(parsed) => {
             let action: Action = frame.action_to_screen(&parsed.action);
             Prediction { action: Some(action), raw, parse_error: None, ask_probability: None }

@@ -111,6 +111,7 @@ impl OpenAiAgent {
                 cfg.base
             )));
         }
+        cfg.prompt.check().map_err(|e| AgentError::Input(e.to_string()))?;
         let url = format!("{base}/chat/completions");
         let http = ureq::AgentBuilder::new().timeout(Duration::from_secs_f64(cfg.timeout_s)).build();
         Ok(Self { cfg, url, http })
@@ -162,7 +163,7 @@ impl Agent for OpenAiAgent {
     fn predict(&self, input: &StepInput) -> Result<Prediction, AgentError> {
         let frame = frame_for(input, &self.cfg.prompt)?;
         let screenshots = prompt_screenshots(input, &self.cfg.prompt)?;
-        let messages = openai_messages(&messages_for(input, &self.cfg.prompt, frame, screenshots))?;
+        let messages = openai_messages(&messages_for(input, &self.cfg.prompt, frame, screenshots)?)?;
         let body = json!({
             "model": self.cfg.model,
             "messages": messages,
@@ -170,6 +171,6 @@ impl Agent for OpenAiAgent {
             "max_tokens": self.cfg.max_tokens,
         });
         let raw = self.complete(&body, &format!("episode {} step {}", input.episode_id, input.step))?;
-        Ok(prediction_from_reply(raw, &frame))
+        Ok(prediction_from_reply(raw, &frame, self.cfg.prompt.action_language))
     }
 }
