@@ -138,12 +138,37 @@ impl RowAdapters {
         let runs: Vec<(usize, Option<&str>)> = runs.iter().map(|(n, a)| (n / unit, a.as_deref())).collect();
         Self::from_runs(&runs, device)
     }
+}
 
-    /// How many rows the plan covers (None: any number, one adapter for all).
-    pub fn rows(&self) -> Option<usize> {
-        match self {
-            Self::Uniform(_) => None,
-            Self::Mixed { runs, .. } => Some(runs.iter().map(|r| r.0).sum()),
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn groups(plan: &RowAdapters) -> Vec<(String, Vec<u32>)> {
+        match plan {
+            RowAdapters::Uniform(_) => vec![],
+            RowAdapters::Mixed { groups, .. } => {
+                groups.iter().map(|(n, idx)| (n.clone(), idx.to_vec1::<u32>().unwrap())).collect()
+            }
         }
+    }
+
+    #[test]
+    fn runs_become_each_adapters_rows() {
+        let dev = Device::Cpu;
+        // One adapter (empty runs aside) is the one-adapter path, the base model too.
+        let one = RowAdapters::from_runs(&[(2, Some("a")), (0, None), (3, Some("a"))], &dev).unwrap();
+        assert!(matches!(one, RowAdapters::Uniform(Some(ref a)) if a == "a"));
+        assert!(matches!(RowAdapters::from_runs(&[(4, None)], &dev).unwrap(), RowAdapters::Uniform(None)));
+        // Rows 0-1 and 5 are `a`, 2-4 the base, 6-9 `b`: the base's rows are in no group.
+        let runs = [(2, Some("a")), (3, None), (1, Some("a")), (4, Some("b"))];
+        let mixed = RowAdapters::from_runs(&runs, &dev).unwrap();
+        assert_eq!(groups(&mixed), [("a".into(), vec![0, 1, 5]), ("b".into(), vec![6, 7, 8, 9])]);
+        // Taken 2 at a time (runs of whole units only).
+        let runs = [(2, Some("a")), (4, None), (2, Some("b"))];
+        let grouped = RowAdapters::from_runs(&runs, &dev).unwrap().grouped(2, &dev).unwrap();
+        assert_eq!(groups(&grouped), [("a".into(), vec![0]), ("b".into(), vec![3])]);
+        let err = RowAdapters::from_runs(&runs, &dev).unwrap().grouped(4, &dev).unwrap_err().to_string();
+        assert!(err.contains("run of 2 rows") && err.contains("4-row groups"), "{err}");
     }
 }

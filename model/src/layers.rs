@@ -54,7 +54,7 @@ impl Linear {
     /// all rows is the path of [`Self::forward`]. Mixed rows: the base product once over all rows, then
     /// for each adapter its rows gathered, `scale * (x A^T) B^T` on them, added back at their places.
     pub fn forward_rows(&self, x: &Tensor, rows: Option<&RowAdapters>) -> Result<Tensor> {
-        let groups = match rows {
+        let (n, groups) = match rows {
             None => return self.forward(x),
             Some(RowAdapters::Uniform(name)) => {
                 let y = self.base(x)?;
@@ -63,10 +63,10 @@ impl Linear {
                     None => Ok(y),
                 };
             }
-            Some(RowAdapters::Mixed { groups, .. }) => groups,
+            Some(RowAdapters::Mixed { runs, groups }) => (runs.iter().map(|r| r.0).sum::<usize>(), groups),
         };
         let y = self.base(x)?;
-        let (dims, n) = (y.dims().to_vec(), rows.and_then(RowAdapters::rows).unwrap_or(0));
+        let dims = y.dims().to_vec();
         let (inp, out) = (x.dim(x.rank() - 1)?, y.dim(y.rank() - 1)?);
         if x.elem_count() != n * inp {
             candle_core::bail!("{}: {:?} rows for a plan of {n} rows of adapters", self.name, x.dims())

@@ -472,8 +472,9 @@ impl TextDecoder {
     }
 }
 
-/// A linear of the decoder: the training forward with `train`, else the inference forward with the rows'
-/// own adapters (`adapters`; None: the active adapter). Training never mixes adapters.
+/// A linear of the decoder or the vision tower: the training forward with `train`, else the inference
+/// forward with the rows' own adapters (`adapters`; None: the active adapter). Training never mixes
+/// adapters.
 pub(crate) fn project(
     lin: &Linear,
     x: &Tensor,
