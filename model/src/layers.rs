@@ -3,14 +3,15 @@
 //!
 //! Linear is ours (not candle-nn's) so that LoRA can wrap it: each one knows its hub-layout checkpoint
 //! name and holds the LoRA deltas loaded for it ([`crate::adapter_slot`]); with none loaded its forward
-//! is exactly `x W^T + b`. Its training forward is [`crate::train_ops`]. The norms, rope and attention
+//! is exactly `x W^T + b`. A batch that mixes adapters applies each row's own ([`Linear::forward_rows`]).
+//! Its training forward is [`crate::train_ops`]. The norms, rope and attention
 //! take the kernels' CustomOp where it has a kernel for the device and dtype, else the plain-candle
 //! reference (`--kernels reference` always), chosen per call from the model's [`KernelChoice`].
 
 use askgui_kernels::{attention_reference, ops, AttentionMask};
 use candle_core::{DType, Result, Tensor};
 
-use crate::adapter_slot::LoraSlot;
+use crate::adapter_slot::{LoraSlot, RowAdapters};
 use crate::config::VisionAct;
 use crate::device::KernelChoice;
 use crate::weights::Weights;
@@ -40,18 +41,55 @@ impl Linear {
         })
     }
 
-    /// `x (..., in) -> (..., out)`.
+    /// `x (..., in) -> (..., out)`, with the active adapter's delta.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.base(x)?;
+        match self.lora.active_delta() {
+            Some(d) => y + d.forward(x)?,
+            None => Ok(y),
+        }
+    }
+
+    /// [`Self::forward`] with each row's own adapter (`rows`; None: the active adapter). One adapter for
+    /// all rows is the path of [`Self::forward`]. Mixed rows: the base product once over all rows, then
+    /// for each adapter its rows gathered, `scale * (x A^T) B^T` on them, added back at their places.
+    pub fn forward_rows(&self, x: &Tensor, rows: Option<&RowAdapters>) -> Result<Tensor> {
+        let (n, groups) = match rows {
+            None => return self.forward(x),
+            Some(RowAdapters::Uniform(name)) => {
+                let y = self.base(x)?;
+                return match self.lora.delta(name.as_deref()) {
+                    Some(d) => y + d.forward(x)?,
+                    None => Ok(y),
+                };
+            }
+            Some(RowAdapters::Mixed { runs, groups }) => (runs.iter().map(|r| r.0).sum::<usize>(), groups),
+        };
+        let y = self.base(x)?;
+        let dims = y.dims().to_vec();
+        let (inp, out) = (x.dim(x.rank() - 1)?, y.dim(y.rank() - 1)?);
+        if x.elem_count() != n * inp {
+            candle_core::bail!("{}: {:?} rows for a plan of {n} rows of adapters", self.name, x.dims())
+        }
+        // (..., in) -> (N, in); (..., out) -> (N, out)
+        let x = x.reshape((n, inp))?;
+        let mut y = y.reshape((n, out))?;
+        for (name, idx) in groups {
+            if let Some(d) = self.lora.delta(Some(name)) {
+                y = y.index_add(idx, &d.forward(&x.index_select(idx, 0)?)?, 0)?;
+            }
+        }
+        y.reshape(dims)
+    }
+
+    /// `x W^T + b`, no adapter.
+    fn base(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.scales {
             Some(scales) => ops::int8_linear(x, &self.weight, scales)?,
             None => matmul_t(x, &self.weight)?,
         };
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        };
-        match self.lora.active_delta() {
-            Some(d) => y + d.forward(x)?,
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
     }

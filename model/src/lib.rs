@@ -11,7 +11,7 @@
 //!
 //! Modules import only downwards, in this order: [`error`], [`attention_memo`]; [`adapter_slot`],
 //! [`config`], [`device`], [`weights`], [`image`], [`peft`], [`recompute`]; [`chat`], [`layers`],
-//! [`random_init`]; [`train_ops`]; [`text`], [`vision`]; [`model`]; [`lora`], [`generate`](mod@generate),
+//! [`random_init`]; [`train_ops`]; [`text`]; [`vision`]; [`model`]; [`lora`], [`generate`](mod@generate),
 //! [`train`].
 
 pub mod adapter_slot;

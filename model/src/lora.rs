@@ -3,9 +3,10 @@
 //! A LoRA adapter adds to a frozen linear `y = x W^T + b` the low-rank term `scale * (x A^T) B^T` with
 //! `A (r, in)`, `B (out, r)` and `scale = lora_alpha / r` (Hu et al. 2021, "LoRA"; PEFT's `LoraLayer`).
 //! Every [`crate::layers::Linear`] holds, in its [`LoraSlot`], the deltas of every adapter loaded for it;
-//! the model keeps the adapters' configs and tensors by name ([`LoraState`]). Key choice: exactly one
-//! adapter (or none, the base model) is active for every forward, chosen with
-//! [`Qwen2Vl::set_active_adapter`] (a server switches it per request); loading does not activate.
+//! the model keeps the adapters' configs and tensors by name ([`LoraState`]). Key choice: one adapter
+//! (or none, the base model) is active for a plain forward, chosen with [`Qwen2Vl::set_active_adapter`];
+//! loading does not activate. A server's batch mixes adapters instead: its forwards name each row's
+//! adapter ([`RowAdapters`], built by [`Qwen2Vl::row_adapters`]).
 //! Merging folds `W += scale * B A` into the weights and keeps the original `W`, so
 //! [`Qwen2Vl::unmerge_adapter`] restores it bit-exactly; while merged, the adapter stays the active one.
 //! Files are PEFT's ([`crate::peft`]): [`Qwen2Vl::save_adapter`] writes the keys PEFT writes on
@@ -16,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-pub use crate::adapter_slot::{LoraDelta, LoraSlot};
+pub use crate::adapter_slot::{LoraDelta, LoraSlot, RowAdapters};
 use crate::error::{ModelError, Result};
 use crate::model::Qwen2Vl;
 use crate::peft::{read_adapter, write_adapter};
@@ -81,6 +82,23 @@ impl Qwen2Vl {
             l.lora.active = name.map(str::to_string);
         }
         Ok(())
+    }
+
+    /// The plan of a forward whose rows apply their own adapters: consecutive `runs` of `(rows, adapter)`
+    /// (None: the base model). Every adapter must be loaded; while one is merged into the weights, every
+    /// row must apply it (the others' rows would see the merged weights).
+    pub fn row_adapters(&self, runs: &[(usize, Option<&str>)]) -> Result<RowAdapters> {
+        for (_, name) in runs {
+            if let Some(n) = name {
+                self.adapter_or_err(n)?;
+            }
+            if let Some(m) = self.lora.merged.as_deref().filter(|&m| *name != Some(m)) {
+                return Err(self.state_err(format!(
+                    "adapter `{m}` is merged into the weights; unmerge it to mix adapters in one forward"
+                )));
+            }
+        }
+        Ok(RowAdapters::from_runs(runs, &self.device)?)
     }
 
     /// The adapter every forward applies (None: the base model).

@@ -220,6 +220,17 @@ impl Qwen2Vl {
         self.vision.forward_images(images)
     }
 
+    /// [`Self::images_features`] with each image's own LoRA adapter (`adapters[i]` for image `i`, None:
+    /// the base model) in one vision forward, whatever adapter is active.
+    pub fn images_features_adapters(&self, images: &[&ProcessedImage], adapters: &[Option<&str>]) -> Result<Tensor> {
+        if adapters.len() != images.len() {
+            return Err(ModelError::Prompt(format!("{} adapters for {} images", adapters.len(), images.len())));
+        }
+        let runs: Vec<(usize, Option<&str>)> =
+            images.iter().zip(adapters).map(|(i, &a)| (i.grid_thw.iter().product(), a)).collect();
+        self.vision.forward_images_rows(images, self.row_adapters(&runs)?)
+    }
+
     /// Token embeddings with image features spliced in at the image tokens, in order: `(B, T, W)`, where
     /// `W` is [`ModelConfig::embed_width`]: the hidden size, and for DeepStack families the feature sets
     /// the decoder adds after its first layers, carried beside it (zeros on text rows).
@@ -288,6 +299,39 @@ impl Qwen2Vl {
         rows: &[NewRows],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
+        self.decode_packed_rows(embeds, positions, rows, caches, None)
+    }
+
+    /// [`Self::decode_packed`] with each sequence's own LoRA adapter (`adapters[i]` for sequence `i`,
+    /// None: the base model), whatever adapter is active: one pass for a batch that mixes adapters
+    /// ([`crate::adapter_slot::RowAdapters`]).
+    pub fn decode_packed_adapters(
+        &self,
+        embeds: &Tensor,
+        positions: &Tensor,
+        (rows, adapters): (&[NewRows], &[Option<&str>]),
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor> {
+        if adapters.len() != rows.len() {
+            return Err(ModelError::Prompt(format!(
+                "packed decode: {} adapters for {} sequences",
+                adapters.len(),
+                rows.len()
+            )));
+        }
+        let runs: Vec<(usize, Option<&str>)> = rows.iter().zip(adapters).map(|(r, &a)| (r.len(), a)).collect();
+        let plan = self.row_adapters(&runs)?;
+        self.decode_packed_rows(embeds, positions, rows, caches, Some(&plan))
+    }
+
+    fn decode_packed_rows(
+        &self,
+        embeds: &Tensor,
+        positions: &Tensor,
+        rows: &[NewRows],
+        caches: &mut [&mut KvCache],
+        adapters: Option<&crate::adapter_slot::RowAdapters>,
+    ) -> Result<Tensor> {
         let total: usize = rows.iter().map(NewRows::len).sum();
         if rows.len() != caches.len() || total != embeds.dim(1)? {
             return Err(ModelError::Prompt(format!(
@@ -303,7 +347,7 @@ impl Qwen2Vl {
         }) {
             return Err(ModelError::Prompt(format!("packed decode: forks {forks:?}: each needs at least one row")));
         }
-        self.text.forward_packed(embeds, positions, rows, caches)
+        self.text.forward_packed_rows(embeds, positions, rows, caches, adapters)
     }
 
     pub fn new_cache(&self) -> KvCache {

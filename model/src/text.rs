@@ -13,6 +13,7 @@
 use askgui_kernels::{mrope_cos_sin_reference, mrope_interleaved_cos_sin_reference, AttentionMask};
 use candle_core::{DType, Device, Tensor};
 
+use crate::adapter_slot::RowAdapters;
 use crate::config::{TextConfig, VisionAct};
 use crate::device::KernelChoice;
 use crate::error::Result;
@@ -212,11 +213,24 @@ impl TextDecoder {
         rows: &[NewRows],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
+        self.forward_packed_rows(embeds, positions, rows, caches, None)
+    }
+
+    /// [`Self::forward_packed`] with each row's own LoRA adapter (`adapters` over the `N` rows; None: the
+    /// active adapter for all), so that one pass mixes sequences of different adapters.
+    pub fn forward_packed_rows(
+        &self,
+        embeds: &Tensor,
+        positions: &Tensor,
+        rows: &[NewRows],
+        caches: &mut [&mut KvCache],
+        adapters: Option<&RowAdapters>,
+    ) -> Result<Tensor> {
         let rope = self.rope(positions, embeds.dtype(), embeds.device())?;
         let mut x = embeds.clone();
         caches.iter_mut().for_each(|c| c.fit(self.layers.len()));
         for i in 0..self.layers.len() {
-            x = self.layer_packed(i, &x, &rope, rows, caches)?;
+            x = self.layer_packed(i, &x, &rope, (rows, adapters), caches)?;
         }
         self.final_norm(&x, None)
     }
@@ -292,7 +306,7 @@ impl TextDecoder {
         cache: Option<&mut KvCache>,
         train: Option<&TrainCtx>,
     ) -> Result<Tensor> {
-        let (q, mut k, mut v) = self.qkv(i, x, rope, train)?;
+        let (q, mut k, mut v) = self.qkv(i, x, rope, train, None)?;
         let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         if let Some(cache) = cache {
             let past = cache.layer_len(i);
@@ -300,7 +314,7 @@ impl TextDecoder {
             let plain = train.is_none() && key_padding.is_none() && matches!(mask, AttentionMask::Causal);
             if plain && self.reads_paged(&q, past)? {
                 let o = askgui_kernels::ops::paged_attention(&q, &cache.blocks(i), scale)?;
-                return self.attn_out_mlp(i, x, &o, None);
+                return self.attn_out_mlp(i, x, &o, None, None);
             }
             if past > 0 {
                 (k, v) = cache.keys_values(i)?;
@@ -310,20 +324,20 @@ impl TextDecoder {
             None => crate::layers::attention(&q, &k, &v, mask, key_padding, scale, self.kernels)?,
             Some(ctx) => ctx.attention((&q, &k, &v), mask, key_padding, scale)?,
         };
-        self.attn_out_mlp(i, x, &o, train)
+        self.attn_out_mlp(i, x, &o, train, None)
     }
 
-    /// [`Self::layer`] over packed sequences (see [`Self::forward_packed`]): `x (1, N, H)`.
+    /// [`Self::layer`] over packed sequences (see [`Self::forward_packed_rows`]): `x (1, N, H)`.
     fn layer_packed(
         &self,
         i: usize,
         x: &Tensor,
         rope: &(Tensor, Tensor),
-        rows: &[NewRows],
+        (rows, adapters): (&[NewRows], Option<&RowAdapters>),
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
         let (x, carried) = self.split_carried(x)?;
-        let (q, k, v) = self.qkv(i, &x, rope, None)?;
+        let (q, k, v) = self.qkv(i, &x, rope, None, adapters)?;
         let scale = (self.cfg.head_dim() as f64).powf(-0.5);
         let mut outs = Vec::with_capacity(rows.len());
         let mut start = 0;
@@ -346,7 +360,7 @@ impl TextDecoder {
             });
             start += len;
         }
-        let y = self.attn_out_mlp(i, &x, &Tensor::cat(&outs, 2)?, None)?;
+        let y = self.attn_out_mlp(i, &x, &Tensor::cat(&outs, 2)?, None, adapters)?;
         self.add_carried(y, carried)
     }
 
@@ -387,13 +401,14 @@ impl TextDecoder {
     }
 
     /// Layer `i`'s pre-norm and projections: `x (B, T, H)` -> rotated `q (B, nh, T, hd)`, rotated
-    /// `k (B, nkv, T, hd)` and `v (B, nkv, T, hd)`.
+    /// `k (B, nkv, T, hd)` and `v (B, nkv, T, hd)`; the rows' own adapters with `adapters` (inference).
     fn qkv(
         &self,
         i: usize,
         x: &Tensor,
         (cos, sin): &(Tensor, Tensor),
         train: Option<&TrainCtx>,
+        adapters: Option<&RowAdapters>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let layer = &self.layers[i];
         let (b, t, _) = x.dims3()?;
@@ -406,7 +421,7 @@ impl TextDecoder {
         // (B, T, n * hd) -> (B, n, T, hd)
         // (B, T, n * hd) -> (B, T, n, hd), normalised per head (Qwen3), -> (B, n, T, hd)
         let heads = |lin: &Linear, n: usize, norm: Option<&Tensor>| -> candle_core::Result<Tensor> {
-            let x = lin.forward_with(&a, train)?.reshape((b, t, n, hd))?;
+            let x = project(lin, &a, train, adapters)?.reshape((b, t, n, hd))?;
             let x = match norm {
                 Some(w) => self.rms(&x, w, train)?,
                 None => x,
@@ -418,17 +433,25 @@ impl TextDecoder {
     }
 
     /// The rest of layer `i` after attention: `o (B, nh, T, hd)` through o_proj onto the residual `x`,
-    /// then the MLP block.
-    fn attn_out_mlp(&self, i: usize, x: &Tensor, o: &Tensor, train: Option<&TrainCtx>) -> Result<Tensor> {
+    /// then the MLP block; the rows' own adapters with `adapters` (inference).
+    fn attn_out_mlp(
+        &self,
+        i: usize,
+        x: &Tensor,
+        o: &Tensor,
+        train: Option<&TrainCtx>,
+        adapters: Option<&RowAdapters>,
+    ) -> Result<Tensor> {
         let layer = &self.layers[i];
         let (b, t, _) = x.dims3()?;
+        let lin = |l: &Linear, x: &Tensor| project(l, x, train, adapters);
         // (B, nh, T, hd) -> (B, T, nh * hd)
         let o = o.transpose(1, 2)?.reshape((b, t, self.cfg.num_attention_heads * self.cfg.head_dim()))?;
-        let x = (x + layer.o.forward_with(&o, train)?)?;
+        let x = (x + lin(&layer.o, &o)?)?;
         let m = self.rms(&x, &layer.post_norm, train)?;
         // The decoder's MLP is SiLU-gated (Qwen2's `hidden_act`; the act enum is the vision tower's).
-        let (gate, up) = (layer.gate.forward_with(&m, train)?, layer.up.forward_with(&m, train)?);
-        let mlp = layer.down.forward_with(&crate::layers::gated(&gate, &up, VisionAct::Silu, self.kernels)?, train)?;
+        let (gate, up) = (lin(&layer.gate, &m)?, lin(&layer.up, &m)?);
+        let mlp = lin(&layer.down, &crate::layers::gated(&gate, &up, VisionAct::Silu, self.kernels)?)?;
         Ok((x + mlp)?)
     }
 
@@ -446,5 +469,20 @@ impl TextDecoder {
 
     pub fn dtype(&self) -> DType {
         self.embed_tokens.dtype()
+    }
+}
+
+/// A linear of the decoder or the vision tower: the training forward with `train`, else the inference
+/// forward with the rows' own adapters (`adapters`; None: the active adapter). Training never mixes
+/// adapters.
+pub(crate) fn project(
+    lin: &Linear,
+    x: &Tensor,
+    train: Option<&TrainCtx>,
+    adapters: Option<&RowAdapters>,
+) -> candle_core::Result<Tensor> {
+    match train {
+        Some(_) => lin.forward_with(x, train),
+        None => lin.forward_rows(x, adapters),
     }
 }

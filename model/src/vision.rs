@@ -17,11 +17,13 @@ use std::ops::Range;
 use askgui_kernels::AttentionMask;
 use candle_core::{DType, Device, Tensor};
 
+use crate::adapter_slot::RowAdapters;
 use crate::config::{Arch, MlpKind, NormKind, VisionConfig};
 use crate::device::KernelChoice;
 use crate::error::{ModelError, Result};
 use crate::image::ProcessedImage;
 use crate::layers::{activation, Linear};
+use crate::text::project;
 use crate::train_ops::TrainCtx;
 use crate::weights::Weights;
 
@@ -111,15 +113,23 @@ impl Merger {
         })
     }
 
-    /// `x (P, hidden) -> (P / unit, out)`, rows in the order they come.
-    fn forward(&self, x: &Tensor, unit: usize, train: Option<&TrainCtx>, kernels: KernelChoice) -> Result<Tensor> {
+    /// `x (P, hidden) -> (P / unit, out)`, rows in the order they come; `adapters` are the merged
+    /// rows' own (inference).
+    fn forward(
+        &self,
+        x: &Tensor,
+        unit: usize,
+        (train, adapters): (Option<&TrainCtx>, Option<&RowAdapters>),
+        kernels: KernelChoice,
+    ) -> Result<Tensor> {
         let (p, hidden) = x.dims2()?;
         // (P, hidden) -> (P / unit, unit * hidden), normalised before or after the shuffle
         let merged = match self.post_shuffle {
             false => self.norm.forward(x, train, kernels)?.reshape((p / unit, unit * hidden))?,
             true => self.norm.forward(&x.reshape((p / unit, unit * hidden))?, train, kernels)?,
         };
-        Ok(self.fc2.forward_with(&self.fc1.forward_with(&merged, train)?.gelu_erf()?, train)?)
+        let lin = |l: &Linear, x: &Tensor| project(l, x, train, adapters);
+        Ok(lin(&self.fc2, &lin(&self.fc1, &merged)?.gelu_erf()?)?)
     }
 }
 
@@ -158,6 +168,9 @@ pub(crate) struct VisionPrep {
     cos: Tensor,
     sin: Tensor,
     pub(crate) layout: Layout,
+    /// Each image's own LoRA adapter, as plans over the patch rows and over the merged rows
+    /// ([`VisionTower::forward_images_rows`]); None: the active adapter for all.
+    adapters: Option<(RowAdapters, RowAdapters)>,
 }
 
 impl VisionPrep {
@@ -345,6 +358,16 @@ impl VisionTower {
         self.run(&self.prepare_images(images)?, None)
     }
 
+    /// [`Self::forward_images`] with each image's own LoRA adapter: `adapters` over the images' patch
+    /// rows, one run per image (each image's rows stay contiguous in window order too, as windows never
+    /// cross images). Vision-tower LoRA keeps working in a batch that mixes adapters.
+    pub fn forward_images_rows(&self, images: &[&ProcessedImage], adapters: RowAdapters) -> Result<Tensor> {
+        let mut prep = self.prepare_images(images)?;
+        let merged = adapters.grouped(self.cfg.spatial_merge_size.pow(2), prep.x.device())?;
+        prep.adapters = Some((adapters, merged));
+        self.run(&prep, None)
+    }
+
     /// The blocks and the merger over prepared patch rows.
     fn run(&self, prep: &VisionPrep, train: Option<&TrainCtx>) -> Result<Tensor> {
         let mut x = prep.x.clone();
@@ -442,7 +465,7 @@ impl VisionTower {
         // (P, 1, head_dim) to broadcast over heads
         let cos = cos.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
         let sin = sin.to_device(dev)?.to_dtype(dtype)?.unsqueeze(1)?;
-        Ok(VisionPrep { x, cos, sin, layout })
+        Ok(VisionPrep { x, cos, sin, layout, adapters: None })
     }
 
     /// The patch embedding `(P, patch_dim) -> (P, hidden)`, rows in window order for Qwen2.5-VL (as
@@ -567,15 +590,23 @@ impl VisionTower {
             return Err(ModelError::Train(format!("vision rows {rows:?} do not fall on attention segment boundaries")));
         }
         let (cos, sin) = (prep.cos.narrow(0, rows.start, rows.len())?, prep.sin.narrow(0, rows.start, rows.len())?);
-        let x = (x + self.attention(b, &b.norm1.forward(x, train, self.kernels)?, &cos, &sin, &cu, train)?)?;
+        let adapters = prep.adapters.as_ref().map(|a| &a.0);
+        let x = (x + self.attention(
+            b,
+            &b.norm1.forward(x, train, self.kernels)?,
+            (&cos, &sin),
+            &cu,
+            (train, adapters),
+        )?)?;
         let h = b.norm2.forward(&x, train, self.kernels)?;
         let act = self.cfg.hidden_act;
+        let lin = |l: &Linear, x: &Tensor| project(l, x, train, adapters);
         let mlp = match &b.mlp {
             Mlp::Glu { gate, up, down } => {
-                let (g, u) = (gate.forward_with(&h, train)?, up.forward_with(&h, train)?);
-                down.forward_with(&crate::layers::gated(&g, &u, act, self.kernels)?, train)?
+                let (g, u) = (lin(gate, &h)?, lin(up, &h)?);
+                lin(down, &crate::layers::gated(&g, &u, act, self.kernels)?)?
             }
-            Mlp::Plain { fc1, fc2 } => fc2.forward_with(&activation(&fc1.forward_with(&h, train)?, act)?, train)?,
+            Mlp::Plain { fc1, fc2 } => lin(fc2, &activation(&lin(fc1, &h)?, act)?)?,
         };
         Ok((x + mlp)?)
     }
@@ -593,9 +624,10 @@ impl VisionTower {
                 self.deepstack.len()
             )));
         }
-        let mut outs = vec![self.merger.forward(&x.narrow(1, 0, hidden)?, unit, train, self.kernels)?];
+        let run = (train, prep.adapters.as_ref().map(|a| &a.1));
+        let mut outs = vec![self.merger.forward(&x.narrow(1, 0, hidden)?, unit, run, self.kernels)?];
         for (j, m) in self.deepstack.iter().enumerate() {
-            outs.push(m.forward(&x.narrow(1, hidden * (1 + j), hidden)?, unit, train, self.kernels)?);
+            outs.push(m.forward(&x.narrow(1, hidden * (1 + j), hidden)?, unit, run, self.kernels)?);
         }
         let mut out = side_by_side(outs)?;
         if self.cfg.window_size.is_some() {
@@ -613,15 +645,14 @@ impl VisionTower {
         &self,
         b: &Block,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
         cu: &[usize],
-        train: Option<&TrainCtx>,
+        (train, adapters): (Option<&TrainCtx>, Option<&RowAdapters>),
     ) -> Result<Tensor> {
         let (p, hidden) = x.dims2()?;
         let (heads, hd) = (self.cfg.num_heads, self.cfg.head_dim());
         // (P, 3, H, hd)
-        let qkv = b.qkv.forward_with(x, train)?.reshape((p, 3, heads, hd))?;
+        let qkv = project(&b.qkv, x, train, adapters)?.reshape((p, 3, heads, hd))?;
         let part = |i: usize| -> candle_core::Result<Tensor> {
             // (P, H, hd); transformers rotates q and k in f32 whatever the model dtype
             let t = qkv.narrow(1, i, 1)?.squeeze(1)?;
@@ -646,7 +677,7 @@ impl VisionTower {
         };
         // (1, H, P, hd) -> (P, H * hd)
         let o = o.squeeze(0)?.transpose(0, 1)?.reshape((p, hidden))?;
-        Ok(b.proj.forward_with(&o, train)?)
+        Ok(project(&b.proj, &o, train, adapters)?)
     }
 
     /// The tower's base (non-linear) tensors: patch embedding and norm parameters, for [`crate::train`].

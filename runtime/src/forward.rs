@@ -16,7 +16,8 @@ use crate::packed::{Item, ItemOut, Packed};
 pub trait Forward {
     /// Runs `items` in one forward and answers them in order.
     fn run(&self, items: Vec<Item>) -> Result<Vec<ItemOut>>;
-    /// The LoRA adapter the forwards run with (a prefix-cache key: an adapter changes every value).
+    /// The LoRA adapter the forwards run with: what the items name ([`Item::adapter`]), and a
+    /// prefix-cache key (an adapter changes every value).
     fn adapter(&self) -> Option<&str>;
 }
 

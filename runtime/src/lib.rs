@@ -34,7 +34,7 @@ pub use complete::{Completion, CompletionRequest, FinishReason};
 pub use constrained::MAX_ASK_OPTIONS;
 pub use error::{Result, RuntimeError};
 pub use forward::{Forward, Solo};
-pub use packed::{Embedded, FreshFeatures, Item, ItemOut, Packed, MAX_VISION_PATCHES};
+pub use packed::{Embedded, FeatureKey, FreshFeatures, Item, ItemOut, Packed, MAX_VISION_PATCHES};
 pub use prompt::{content_hash, encode_chat, Encoded, ImageInput, PreparedImage, Step, StepPrompt};
 pub use runtime::{apply_image_bounds, native_frame, Runtime, DEFAULT_PREFIX_CACHE_BYTES, DEFAULT_STEP_TOKENS};
 pub use step::StepOutput;

@@ -1,16 +1,18 @@
 //! The model's side of decoding: items embedded (their screenshots through the vision tower, cached),
 //! then run as one packed forward, each over its own KV cache.
 //!
-//! Key choice: every item's new rows go back to back in one pass ([`Qwen2Vl::decode_packed`]), so a
-//! prefill and a decode step of different sequences share one forward. Likewise the screenshots of all
-//! the items embedded together that the cache lacks go through one vision forward (batched vision: each
-//! image attends only to itself, through the tower's per-image `cu_seqlens`). Vision-tower outputs are
-//! cached by (content hash, adapter), so the same screenshot sent again is encoded once.
+//! Key choice: every item's new rows go back to back in one pass ([`Qwen2Vl::decode_packed_adapters`]),
+//! so a prefill and a decode step of different sequences share one forward, whatever LoRA adapter each
+//! runs with (each item names its own; rows of one adapter for all take the one-adapter path). Likewise
+//! the screenshots of all the items embedded together that the cache lacks go through one vision forward
+//! (batched vision: each image attends only to itself, through the tower's per-image `cu_seqlens`, with
+//! its item's adapter). Vision-tower outputs are cached by (content hash, adapter), so the same
+//! screenshot sent again is encoded once.
 
 use std::collections::HashMap;
 
 use askgui_model::model::positions_tensor;
-use askgui_model::{KvCache, NewRows, Qwen2Vl};
+use askgui_model::{KvCache, NewRows, ProcessedImage, Qwen2Vl};
 use candle_core::{DType, Tensor};
 
 use crate::cache::ByteCache;
@@ -32,6 +34,8 @@ pub struct Item {
     /// each continue the cache alone, none appended: the options of a constrained choice, scored in one
     /// item ([`NewRows::Forks`]).
     pub forks: Vec<usize>,
+    /// The LoRA adapter its rows (and its screenshots) run with; None: the base model.
+    pub adapter: Option<String>,
 }
 
 /// The answer to one [`Item`]: its cache with the new tokens appended, and the logits of its last rows.
@@ -45,8 +49,14 @@ pub struct Packed {
     pub model: Qwen2Vl,
     /// Vision-tower outputs `(tokens, H)` by (content hash, adapter): the same screenshot sent again
     /// (every step of a session that did not change the screen) is encoded once.
-    features: ByteCache<(u64, Option<String>), Tensor>,
+    features: ByteCache<FeatureKey, Tensor>,
 }
+
+/// A screenshot's vision-tower output is the same for the same content hash and adapter.
+pub type FeatureKey = (u64, Option<String>);
+
+/// An image to encode and the adapter to encode it with.
+type ToEncode<'a> = (&'a PreparedImage, Option<&'a str>);
 
 impl Packed {
     pub fn new(model: Qwen2Vl) -> Self {
@@ -70,35 +80,43 @@ impl Packed {
     /// Whether an image of `items` is missing from the feature cache (their embedding needs the vision
     /// tower).
     pub fn lacks_images(&self, items: &[Item]) -> bool {
-        !self.missing(items.iter().flat_map(|i| &i.images)).is_empty()
+        !self.missing(items.iter().collect::<Vec<_>>().as_slice()).is_empty()
     }
 
-    /// The distinct images of `images` whose features the cache lacks (for the active adapter), in order.
-    fn missing<'a>(&self, images: impl Iterator<Item = &'a PreparedImage>) -> Vec<&'a PreparedImage> {
-        let adapter = self.model.active_adapter().map(String::from);
-        let mut missing: Vec<&PreparedImage> = Vec::new();
-        for img in images {
-            let cached = self.features.get(&(img.0, adapter.clone())).is_some();
-            if !cached && !missing.iter().any(|m| m.0 == img.0) {
-                missing.push(img);
+    /// The distinct (image, adapter) pairs of `items` whose features the cache lacks, in order; items of
+    /// an adapter the model does not hold are left out (they fail when embedded).
+    fn missing<'a>(&self, items: &[&'a Item]) -> Vec<ToEncode<'a>> {
+        let mut missing: Vec<ToEncode> = Vec::new();
+        for item in items.iter().filter(|i| self.check_adapter(i).is_ok()) {
+            let adapter = item.adapter.as_deref();
+            for img in &item.images {
+                let cached = self.features.get(&(img.0, adapter.map(String::from))).is_some();
+                if !cached && !missing.iter().any(|(m, a)| m.0 == img.0 && *a == adapter) {
+                    missing.push((img, adapter));
+                }
             }
         }
         missing
     }
 
+    /// An error unless the model holds the item's adapter and can run it.
+    fn check_adapter(&self, item: &Item) -> Result<()> {
+        self.model.row_adapters(&[(1, item.adapter.as_deref())])?;
+        Ok(())
+    }
+
     /// [`Self::embed_all`] with the images `encoded` ([`Self::encode_missing`] of the same items) first
     /// put in the feature cache.
     pub fn embed_encoded(&mut self, items: &[&Item], encoded: FreshFeatures) -> Embedded {
-        let adapter = self.model.active_adapter().map(String::from);
-        for (hash, f) in &encoded.features {
+        for (key, f) in &encoded.features {
             let bytes = f.elem_count() * f.dtype().size_in_bytes();
-            self.features.insert((*hash, adapter.clone()), f.clone(), bytes);
+            self.features.insert(key.clone(), f.clone(), bytes);
         }
         let embeds = items.iter().map(|item| self.embed_with(item, &encoded.features)).collect();
         Embedded { embeds, images_encoded: encoded.count }
     }
 
-    fn embed_with(&mut self, item: &Item, fresh: &HashMap<u64, Tensor>) -> Result<Tensor> {
+    fn embed_with(&mut self, item: &Item, fresh: &HashMap<FeatureKey, Tensor>) -> Result<Tensor> {
         if item.ids.is_empty() || item.ids.len() != item.positions.len() || item.logits_rows > item.ids.len() {
             return Err(RuntimeError::Internal(format!(
                 "a forward item with {} tokens, {} positions and {} logit rows",
@@ -107,7 +125,8 @@ impl Packed {
                 item.logits_rows
             )));
         }
-        let feats = self.image_features(&item.images, fresh)?;
+        self.check_adapter(item)?;
+        let feats = self.image_features(&item.images, item.adapter.as_deref(), fresh)?;
         let ids = Tensor::from_slice(&item.ids, (1, item.ids.len()), &self.model.device)?;
         Ok(self.model.embed(&ids, feats.as_ref())?)
     }
@@ -116,13 +135,14 @@ impl Packed {
     /// left as it is (see [`Self::embed_encoded`]), so that this can run beside a [`Self::forward`]. A
     /// failing batch is left out (its images are encoded one by one when embedded).
     pub fn encode_missing(&self, items: &[&Item]) -> FreshFeatures {
-        let missing = self.missing(items.iter().flat_map(|i| &i.images));
+        let missing = self.missing(items);
         let mut out = FreshFeatures::default();
         for batch in patch_batches(&missing, MAX_VISION_PATCHES) {
             match self.encode(batch) {
                 Ok(features) => {
                     out.count += batch.len();
-                    out.features.extend(batch.iter().map(|(hash, _)| *hash).zip(features));
+                    let keys = batch.iter().map(|((hash, _), a)| (*hash, a.map(String::from)));
+                    out.features.extend(keys.zip(features));
                 }
                 Err(e) => tracing::debug!(error = %e, images = batch.len(), "batched vision failed; one at a time"),
             }
@@ -130,14 +150,16 @@ impl Packed {
         out
     }
 
-    /// One vision forward over `images`; their features `(tokens_i, H)`, in order.
-    fn encode(&self, images: &[&PreparedImage]) -> Result<Vec<Tensor>> {
+    /// One vision forward over `images`, each with its adapter; their features `(tokens_i, H)`, in order.
+    fn encode(&self, images: &[ToEncode]) -> Result<Vec<Tensor>> {
         // (sum P_i, patch_dim) -> (sum P_i / merge^2, H), image after image
-        let all = self.model.images_features(&images.iter().map(|(_, img)| &**img).collect::<Vec<_>>())?;
+        let pixels: Vec<&ProcessedImage> = images.iter().map(|((_, img), _)| &**img).collect();
+        let adapters: Vec<Option<&str>> = images.iter().map(|(_, a)| *a).collect();
+        let all = self.model.images_features_adapters(&pixels, &adapters)?;
         let merge = self.model.cfg.vision.spatial_merge_size;
         let mut start = 0;
         let mut out = Vec::with_capacity(images.len());
-        for (_, img) in images {
+        for img in pixels {
             let n = img.num_tokens(merge);
             out.push(all.narrow(0, start, n)?);
             start += n;
@@ -168,8 +190,10 @@ impl Packed {
             .zip(&forks)
             .map(|(&n, f)| if f.is_empty() { NewRows::Append(n) } else { NewRows::Forks(f) })
             .collect();
+        let names: Vec<Option<String>> = items.iter().map(|i| i.adapter.clone()).collect();
+        let adapters: Vec<Option<&str>> = names.iter().map(Option::as_deref).collect();
         let mut caches: Vec<&mut KvCache> = items.iter_mut().map(|i| &mut i.cache).collect();
-        let hidden = self.model.decode_packed(&embeds, &positions, &new, &mut caches)?;
+        let hidden = self.model.decode_packed_adapters(&embeds, &positions, (&new, &adapters), &mut caches)?;
         if rows.is_empty() {
             // Only prefill chunks that need no logits yet.
             return Ok(wanted.iter().map(|_| Vec::new()).collect());
@@ -182,20 +206,24 @@ impl Packed {
         Ok(wanted.iter().map(|&n| logits.by_ref().take(n).collect()).collect())
     }
 
-    /// The vision tower's output for the images, in order: from `fresh` (this call's batch), the cache,
-    /// or encoded alone now (cached by hash and active adapter).
-    fn image_features(&mut self, images: &[PreparedImage], fresh: &HashMap<u64, Tensor>) -> Result<Option<Tensor>> {
+    /// The vision tower's output for the images with `adapter`, in order: from `fresh` (this call's
+    /// batch), the cache, or encoded alone now (cached by hash and adapter).
+    fn image_features(
+        &mut self,
+        images: &[PreparedImage],
+        adapter: Option<&str>,
+        fresh: &HashMap<FeatureKey, Tensor>,
+    ) -> Result<Option<Tensor>> {
         if images.is_empty() {
             return Ok(None);
         }
-        let adapter = self.model.active_adapter().map(String::from);
         let mut parts = Vec::with_capacity(images.len());
         for image in images {
-            let key = (image.0, adapter.clone());
-            let f = match fresh.get(&image.0).cloned().or_else(|| self.features.get(&key)) {
+            let key = (image.0, adapter.map(String::from));
+            let f = match fresh.get(&key).cloned().or_else(|| self.features.get(&key)) {
                 Some(f) => f,
                 None => {
-                    let f = self.encode(&[image])?.pop().expect("one image, one output");
+                    let f = self.encode(&[(image, adapter)])?.pop().expect("one image, one output");
                     self.features.insert(key, f.clone(), f.elem_count() * f.dtype().size_in_bytes());
                     f
                 }
@@ -212,10 +240,10 @@ pub const MAX_VISION_PATCHES: usize = 32_768;
 
 /// Consecutive groups of `images` of at most `max_patches` patches each (an image larger than that
 /// alone).
-fn patch_batches<'a, 'b>(images: &'a [&'b PreparedImage], max_patches: usize) -> Vec<&'a [&'b PreparedImage]> {
+fn patch_batches<'a, 'b>(images: &'a [ToEncode<'b>], max_patches: usize) -> Vec<&'a [ToEncode<'b>]> {
     let mut out = Vec::new();
     let (mut start, mut patches) = (0, 0);
-    for (i, (_, img)) in images.iter().enumerate() {
+    for (i, ((_, img), _)) in images.iter().enumerate() {
         let n = img.grid_thw.iter().product::<usize>();
         if i > start && patches + n > max_patches {
             out.push(&images[start..i]);
@@ -229,11 +257,11 @@ fn patch_batches<'a, 'b>(images: &'a [&'b PreparedImage], max_patches: usize) ->
     out
 }
 
-/// The vision tower's outputs `(tokens, H)` of a batch's missing images by content hash
+/// The vision tower's outputs `(tokens, H)` of a batch's missing images by content hash and adapter
 /// ([`Packed::encode_missing`]), and how many images were encoded.
 #[derive(Default)]
 pub struct FreshFeatures {
-    pub features: HashMap<u64, Tensor>,
+    pub features: HashMap<FeatureKey, Tensor>,
     pub count: usize,
 }
 
@@ -261,8 +289,9 @@ mod tests {
     #[test]
     fn batches_keep_order_and_the_patch_bound() {
         let images: Vec<PreparedImage> = [(1, 8), (2, 8), (3, 16), (4, 40), (5, 4)].map(|(h, p)| image(h, p)).into();
-        let refs: Vec<&PreparedImage> = images.iter().collect();
-        let hashes: Vec<Vec<u64>> = patch_batches(&refs, 20).iter().map(|b| b.iter().map(|i| i.0).collect()).collect();
+        let refs: Vec<ToEncode> = images.iter().map(|i| (i, None)).collect();
+        let hashes: Vec<Vec<u64>> =
+            patch_batches(&refs, 20).iter().map(|b| b.iter().map(|(i, _)| i.0).collect()).collect();
         // 8+8 fit, 16 starts a batch, 40 is alone (over the bound), 4 starts the last.
         assert_eq!(hashes, vec![vec![1, 2], vec![3], vec![4], vec![5]]);
         assert!(patch_batches(&[], 20).is_empty());

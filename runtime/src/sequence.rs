@@ -55,6 +55,7 @@ impl<'f> Seq<'f> {
             cache,
             logits_rows: 1,
             forks: vec![],
+            adapter: adapter.map(String::from),
         };
         let ItemOut { cache, mut logits } = one(fwd.run(vec![item])?)?;
         rt.prefixes.lock().unwrap_or_else(|p| p.into_inner()).insert(adapter, key, cache.clone());
@@ -75,6 +76,7 @@ impl<'f> Seq<'f> {
             cache: self.cache.clone(),
             logits_rows,
             forks,
+            adapter: self.fwd.adapter().map(String::from),
         }
     }
 

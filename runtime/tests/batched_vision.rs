@@ -30,7 +30,7 @@ fn item(model: &Qwen2Vl, images: Vec<PreparedImage>) -> Item {
     }
     ids.push(11);
     let positions = (0..ids.len() as u32).map(|p| [p; 3]).collect();
-    Item { ids, positions, images, cache: model.text.new_cache(), logits_rows: 1, forks: vec![] }
+    Item { ids, positions, images, cache: model.text.new_cache(), logits_rows: 1, forks: vec![], adapter: None }
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {

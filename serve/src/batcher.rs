@@ -23,9 +23,9 @@ use askgui_runtime::{Forward, Item, ItemOut, RuntimeError};
 
 pub type Reply = askgui_runtime::Result<Vec<ItemOut>>;
 
-/// One job's request: its items run in the same forward (e.g. every action name scored at once).
+/// One job's request: its items run in the same forward (e.g. every action name scored at once), each
+/// with the adapter it names.
 pub struct Ticket {
-    pub adapter: Option<String>,
     pub items: Vec<Item>,
     pub reply: mpsc::Sender<Reply>,
 }
@@ -122,7 +122,7 @@ impl Forward for Client<'_> {
             if !self.engaged.replace(true) {
                 st.engaged += 1;
             }
-            st.tickets.push(Ticket { adapter: self.adapter.clone(), items, reply });
+            st.tickets.push(Ticket { items, reply });
         }
         self.batcher.changed.notify_all();
         answer.recv().unwrap_or_else(|_| Err(RuntimeError::Internal("the model thread dropped this request".into())))
@@ -160,6 +160,7 @@ mod tests {
             cache: KvCache::default(),
             logits_rows: 1,
             forks: vec![],
+            adapter: None,
         }
     }
 

@@ -1,7 +1,7 @@
 //! The model backend on the tiny random Qwen2.5-VL checkpoint of the model tests: the action-name
 //! distribution (and so `ask_probability`) against the model's plain full-sequence forward, constrained
-//! answers that always parse, `pause_threshold`, adapters, chat streaming, continuous batching (packed
-//! jobs answer what they answer alone) and the prefix cache.
+//! answers that always parse, `pause_threshold`, adapters (several in one batch), chat streaming,
+//! continuous batching (packed jobs answer what they answer alone) and the prefix cache.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -188,6 +188,66 @@ fn adapters_are_chosen_per_job() -> anyhow::Result<()> {
     // (shorter) prefill: equal up to float reassociation.
     let (a, b) = (base.ask_probability.unwrap(), again.ask_probability.unwrap());
     assert!((a - b).abs() <= 1e-6, "the base model after an adapter job: {a} vs {b}");
+    Ok(())
+}
+
+/// A backend with two adapters, each with B non-zero: `text` on decoder linears, `vision` on the vision
+/// tower's attention alone (`qkv`, `proj`), so that only vision-tower LoRA can move its answers.
+fn backend_two_adapters() -> anyhow::Result<ModelBackend> {
+    let mut model = Qwen2Vl::load(checkpoint().to_str().unwrap(), &Device::Cpu, DType::F32)?;
+    model.add_trainable_adapter("text", LoraConfig::new(4, 8.0, &["q_proj", "v_proj", "down_proj"]), 3)?;
+    model.add_trainable_adapter("vision", LoraConfig::new(4, 8.0, &["qkv", "proj"]), 5)?;
+    for (adapter, b) in [("text", 0.3), ("vision", 1.0)] {
+        for (name, v) in model.trainable_vars(adapter)? {
+            if name.ends_with("lora_B") {
+                v.set(&(v.ones_like()? * b)?)?;
+            }
+        }
+    }
+    Ok(ModelBackend::from_model(model, "tiny")?.with_prefix_cache(0))
+}
+
+/// Several adapters in one batch: four jobs on the same screenshot (two of the vision adapter, one of
+/// the text adapter, one of the base model) started together share their forwards, and each answers what
+/// it answers alone. The screenshot is encoded once per adapter (its features are cached by hash and
+/// adapter), and the vision adapter really changes the answer: vision-tower LoRA works in a mixed batch. Tolerance 1e-5 on `ask_probability`, as
+/// for packing: a mixed batch changes GEMM row counts only (`askgui-model`'s `tests/multi_adapter.rs`
+/// bounds the logits).
+#[test]
+fn jobs_of_different_adapters_share_forwards_and_answer_as_alone() -> anyhow::Result<()> {
+    let adapters = [Some("vision"), Some("text"), None, Some("vision")];
+    let jobs = || {
+        adapters
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                let opts = StepOptions { max_tokens: Some(16), seed: Some(i as u64), ..Default::default() };
+                Job::new(JobKind::Step(step_job("Call mum", opts)), a.map(String::from))
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut alone = Vec::new();
+    for (job, rx) in jobs() {
+        Backend::run(&mut backend_two_adapters()?, vec![job]);
+        alone.push(step_of(rx.blocking_recv()?));
+    }
+    let probs: Vec<f64> = alone.iter().map(|r| r.ask_probability.unwrap()).collect();
+    eprintln!("ask_probability alone: {probs:?}");
+    // Ten times the tolerance below at least (seen: 2e-3).
+    assert!((probs[0] - probs[2]).abs() > 1e-4, "vision-tower LoRA must change the answer: {probs:?}");
+    let mut b = backend_two_adapters()?;
+    let (first, rxs): (Vec<Job>, Vec<_>) = jobs().into_iter().unzip();
+    let mut intake = Recorder { later: vec![], batches: vec![], vision: vec![] };
+    b.run_continuous(first, &mut intake);
+    for (i, rx) in rxs.into_iter().enumerate() {
+        let r = step_of(rx.blocking_recv()?);
+        let (p, q) = (r.ask_probability.unwrap(), probs[i]);
+        assert!((p - q).abs() <= 1e-5, "job {i} ({:?}): ask_probability {p} together vs {q} alone", adapters[i]);
+        assert_eq!(r.raw, alone[i].raw, "job {i}: the same answer");
+    }
+    eprintln!("sequences per forward: {:?}; images per vision forward: {:?}", intake.batches, intake.vision);
+    assert!(intake.batches.contains(&4), "the four jobs should share forwards: {:?}", intake.batches);
+    assert_eq!(intake.vision.iter().sum::<usize>(), 3, "once per adapter: {:?}", intake.vision);
     Ok(())
 }
 

@@ -1,9 +1,11 @@
 //! The model's owner: runs the jobs' forwards, packed, on the one thread that holds the model.
 //!
 //! Key choice: every live job's next forward (prefills and decode steps alike) runs as one packed pass,
-//! each item over its own KV cache; tickets are grouped by adapter (a model-wide switch) and a pack holds
-//! at most [`MAX_PACK_TOKENS`] new tokens, run by [`Packed`] (the forward every askgui tool runs). A
-//! ticket whose input cannot be embedded fails alone; a failing or panicking forward fails its pack.
+//! each item over its own KV cache and with its own LoRA adapter (a pack mixes adapters and the base
+//! model: each adapted linear gathers each adapter's rows, [`askgui_model::adapter_slot::RowAdapters`]);
+//! a pack holds at most [`MAX_PACK_TOKENS`] new tokens, run by [`Packed`] (the forward every askgui tool
+//! runs). A ticket whose input cannot be embedded (an adapter the model does not hold included) fails
+//! alone; a failing or panicking forward fails its pack.
 //!
 //! Chunked prefill: a ticket of one item with more new tokens than the prefill chunk (`--prefill-chunk`,
 //! default [`PREFILL_CHUNK`]) is embedded once (its screenshots included) and then runs that many rows per
@@ -95,50 +97,25 @@ impl Runner {
         t.items.len() == 1 && t.items[0].forks.is_empty() && t.items[0].ids.len() > self.prefill_chunk
     }
 
-    /// One round: the new tickets and the held prefills grouped by adapter (an adapter is a model-wide
-    /// switch), each group in packed forwards of at most [`MAX_PACK_TOKENS`] new tokens.
+    /// One round: the new tickets and the held prefills, whatever their adapters, in packed forwards of
+    /// at most [`MAX_PACK_TOKENS`] new tokens.
     fn round(&mut self, tickets: Vec<Ticket>, intake: &mut dyn Intake) {
-        let mut groups: Vec<(Option<String>, Vec<Ticket>, Vec<Held>)> = Vec::new();
-        let group = |groups: &mut Vec<(Option<String>, Vec<Ticket>, Vec<Held>)>, a: &Option<String>| match groups
-            .iter()
-            .position(|(g, ..)| g == a)
-        {
-            Some(i) => i,
-            None => {
-                groups.push((a.clone(), vec![], vec![]));
-                groups.len() - 1
-            }
-        };
-        for h in std::mem::take(&mut self.held) {
-            let i = group(&mut groups, &h.ticket.adapter);
-            groups[i].2.push(h);
-        }
+        let held = std::mem::take(&mut self.held);
+        // The held prefills' next chunks go into the first pack.
+        let mut rows: usize = held.iter().map(|h| h.next_rows(self.prefill_chunk)).sum();
+        let (mut pack, mut held) = (Vec::new(), Some(held));
         for t in tickets {
-            let i = group(&mut groups, &t.adapter);
-            groups[i].1.push(t);
+            let n = if self.chunked(&t) { self.prefill_chunk } else { t.items.iter().map(|i| i.ids.len()).sum() };
+            if rows > 0 && rows + n > MAX_PACK_TOKENS {
+                self.pack(std::mem::take(&mut pack), held.take().unwrap_or_default(), intake);
+                rows = 0;
+            }
+            rows += n;
+            pack.push(t);
         }
-        for (adapter, group, held) in groups {
-            if let Err(e) = self.packed.model.set_active_adapter(adapter.as_deref()).map_err(RuntimeError::from) {
-                group.into_iter().for_each(|t| drop(t.reply.send(Err(e.clone()))));
-                held.into_iter().for_each(|h| drop(h.ticket.reply.send(Err(e.clone()))));
-                continue;
-            }
-            // The held prefills' next chunks go into the first pack.
-            let mut rows: usize = held.iter().map(|h| h.next_rows(self.prefill_chunk)).sum();
-            let (mut pack, mut held) = (Vec::new(), Some(held));
-            for t in group {
-                let n = if self.chunked(&t) { self.prefill_chunk } else { t.items.iter().map(|i| i.ids.len()).sum() };
-                if rows > 0 && rows + n > MAX_PACK_TOKENS {
-                    self.pack(std::mem::take(&mut pack), held.take().unwrap_or_default(), intake);
-                    rows = 0;
-                }
-                rows += n;
-                pack.push(t);
-            }
-            let held = held.unwrap_or_default();
-            if !pack.is_empty() || !held.is_empty() {
-                self.pack(pack, held, intake);
-            }
+        let held = held.unwrap_or_default();
+        if !pack.is_empty() || !held.is_empty() {
+            self.pack(pack, held, intake);
         }
         intake.record_kv_blocks(self.kv_pool.blocks_in_use(), self.kv_pool.capacity());
     }
@@ -241,6 +218,7 @@ impl Runner {
                 cache: std::mem::take(&mut item.cache),
                 logits_rows: if last { item.logits_rows } else { 0 },
                 forks: vec![],
+                adapter: item.adapter.clone(),
             });
         }
         if let Some(e) = bad {
@@ -333,8 +311,9 @@ mod tests {
             cache: KvCache::default(),
             logits_rows,
             forks: vec![],
+            adapter: None,
         };
-        let ticket = Ticket { adapter: None, items: vec![item], reply: std::sync::mpsc::channel().0 };
+        let ticket = Ticket { items: vec![item], reply: std::sync::mpsc::channel().0 };
         Held {
             ticket,
             embeds: Tensor::zeros((1, len, 2), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
