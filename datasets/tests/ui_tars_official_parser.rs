@@ -1,5 +1,5 @@
 //! The official UI-TARS parser reads what the UI-TARS language writes as we do: `@ui-tars/action-parser`
-//! (npm, run by node through `tests/ui_tars_parser.js`) on a few hundred random actions, every kind,
+//! (npm, run by node through `tests/official/`) on a few hundred random actions, every kind,
 //! compared with our parser. Its strings keep their escapes (as it hands over UI-TARS-1.5's own), so
 //! their Python unescaping is compared. The random texts hold apostrophes, commas, backslashes,
 //! newlines, `:`, `=`, `<`, `|`: what trips its regexes (see `ui_tars.rs`).
@@ -8,76 +8,14 @@
 //! (`npm install @ui-tars/action-parser@1.2.3`); says SKIPPED without them.
 
 mod actions;
+mod official;
 
-use std::io::Write;
-use std::process::{Command, Stdio};
-
-use askgui_data::language::py_unescape;
-use askgui_data::{Action, ActionLanguage, Ask, AskKind, AskOption, Direction, DoneStatus, Segment, Target};
+use askgui_data::ActionLanguage;
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
-use serde_json::Value;
-
-/// The official parser's answer for one text, as a protocol action (its own mapping, written here).
-fn official_action(parsed: &Value) -> Action {
-    let list = parsed.as_array().expect("a list of actions");
-    assert_eq!(list.len(), 1, "one action: {parsed}");
-    let (kind, inputs) = (list[0]["action_type"].as_str().unwrap(), &list[0]["action_inputs"]);
-    let text = |k: &str| inputs[k].as_str().map(|s| py_unescape(s).unwrap());
-    let point = |k: &str| {
-        let v: Vec<f64> = serde_json::from_str(inputs[k].as_str()?).unwrap();
-        Some((v[0].round() as i32, v[1].round() as i32))
-    };
-    let target = || {
-        let (x, y) = point("start_box").unwrap();
-        Target::point(x, y)
-    };
-    match kind {
-        "click" => Action::Click(target()),
-        "left_double" => Action::DoubleClick(target()),
-        "right_single" => Action::RightClick(target()),
-        "long_press" => Action::LongPress(target()),
-        "drag" => {
-            let ((x1, y1), (x2, y2)) = (point("start_box").unwrap(), point("end_box").unwrap());
-            Action::Drag(Segment { x1, y1, x2, y2 })
-        }
-        "scroll" => {
-            let p = point("start_box");
-            let direction = serde_json::from_value::<Direction>(Value::String(text("direction").unwrap())).unwrap();
-            Action::Scroll { x: p.map(|p| p.0), y: p.map(|p| p.1), direction }
-        }
-        "type" => Action::Type { text: text("content").unwrap() },
-        "hotkey" => {
-            let keys: Vec<String> = text("key").unwrap().split(' ').map(String::from).collect();
-            if keys.len() == 1 {
-                Action::Press { key: keys[0].clone() }
-            } else {
-                Action::Hotkey { keys }
-            }
-        }
-        "press_home" => Action::Press { key: "home".into() },
-        "press_back" => Action::Press { key: "back".into() },
-        "open_app" => Action::OpenApp { name: text("app_name").unwrap() },
-        "wait" => Action::Wait { seconds: text("time").map_or(5.0, |t| t.parse().unwrap()) },
-        "finished" => match text("content") {
-            Some(text) => Action::Answer { text },
-            None => Action::Done { status: DoneStatus::Success },
-        },
-        "call_user" => Action::Ask(Ask {
-            question: text("content").unwrap(),
-            options: text("options").map_or(vec![], |o| serde_json::from_str::<Vec<AskOption>>(&o).unwrap()),
-            kind: text("kind").map(|k| serde_json::from_value::<AskKind>(Value::String(k)).unwrap()),
-        }),
-        other => panic!("the official parser read an action askgui does not write: {other}"),
-    }
-}
 
 #[test]
 fn the_official_parser_reads_our_ui_tars_text_as_we_do() {
-    let Some(modules) = std::env::var_os("ASKGUI_UI_TARS_NODE_MODULES") else {
-        eprintln!("SKIPPED: set ASKGUI_UI_TARS_NODE_MODULES to a node_modules folder with @ui-tars/action-parser");
-        return;
-    };
     let lang = ActionLanguage::UiTars;
     let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::from_seed(RngAlgorithm::ChaCha, &[49; 32]));
     let mut texts = Vec::new();
@@ -87,22 +25,13 @@ fn the_official_parser_reads_our_ui_tars_text_as_we_do() {
             texts.push(text);
         }
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/ui_tars_parser.js");
-    let mut node = Command::new("node")
-        .arg(script)
-        .env("NODE_PATH", &modules)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("ASKGUI_UI_TARS_NODE_MODULES is set, so node must be on PATH");
-    node.stdin.take().unwrap().write_all(serde_json::to_string(&texts).unwrap().as_bytes()).unwrap();
-    let out = node.wait_with_output().unwrap();
-    assert!(out.status.success(), "node failed: {}", String::from_utf8_lossy(&out.stdout));
-    let parsed: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let Some(parsed) = official::parse(&texts, "the_official_parser_reads_our_ui_tars_text_as_we_do") else {
+        return;
+    };
     let mut kinds = std::collections::BTreeSet::new();
     for (text, theirs) in texts.iter().zip(&parsed) {
         let ours = lang.parse(text).unwrap().action;
-        assert_eq!(official_action(theirs), ours, "{text}\nofficial: {theirs}");
+        assert_eq!(official::action(theirs), ours, "{text}\nofficial: {theirs}");
         kinds.insert(ours.name());
     }
     // Every action kind UI-TARS can say came up (swipe is written as drag).

@@ -7,6 +7,9 @@
 //! schema allows it, and the checks see what the constraints do where it does not (an unknown element, a
 //! point off the screen, too many options).
 
+#[path = "../../datasets/tests/official/mod.rs"]
+mod official;
+
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -314,7 +317,10 @@ fn language_actions() -> Vec<Action> {
 
 /// In UI-TARS's and the tool-call language, the constrained decoder writes each action kind as steered,
 /// and the text parses in the language back to the steered action: every name the language has is
-/// written (UI-TARS cannot say a failed `done`, so that one is left out there).
+/// written (UI-TARS cannot say a failed `done`, so that one is left out there). UI-TARS's texts, the
+/// answers askgui-serve returns as they are over the OpenAI endpoint, also go through the official parser
+/// (`@ui-tars/action-parser`, when `ASKGUI_UI_TARS_NODE_MODULES` names it), which must read each one as
+/// the steered action.
 #[test]
 fn every_action_kind_of_every_language_is_written_as_steered_and_parses_back() {
     use askgui_data::ActionLanguage;
@@ -329,12 +335,14 @@ fn every_action_kind_of_every_language_is_written_as_steered_and_parses_back() {
         let shots = [screenshot(112, 84)];
         let step = Step { task: "Buy oat milk", history: &[], screenshots: &shots, elements: None, screen: None };
         let mut names: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
+        let mut written = Vec::new();
         for action in language_actions() {
             let Ok(target) = language.render(&action) else { continue };
             let out = rt.step(&Steer::new(&texts, &target), &step, &StepOptions::default(), &|| false).unwrap();
             let (_, got) = out.parsed.unwrap_or_else(|e| panic!("{language:?} {target}: {e}: {}", out.raw));
             assert_eq!(out.raw, target, "{language:?}: the steered text is written as it is");
             assert_eq!(got, language.normal_form(&action), "{language:?} {target}");
+            written.push((out.raw, got));
             let rest = &target[language.answer_prefix().len()..];
             names.extend(
                 language
@@ -345,6 +353,15 @@ fn every_action_kind_of_every_language_is_written_as_steered_and_parses_back() {
             );
         }
         assert_eq!(names.len(), language.action_names().len(), "{language:?}: every action name, got {names:?}");
+        if language == ActionLanguage::UiTars {
+            let texts: Vec<String> = written.iter().map(|(raw, _)| raw.clone()).collect();
+            if let Some(parsed) = official::parse(&texts, "the official parser on the constrained UI-TARS answers") {
+                for ((raw, ours), theirs) in written.iter().zip(&parsed) {
+                    assert_eq!(&official::action(theirs), ours, "the official parser reads {raw} otherwise: {theirs}");
+                }
+                eprintln!("the official UI-TARS parser read all {} constrained answers as steered", texts.len());
+            }
+        }
         // Decoded freely, the answer ends where the language's answer closes (the steering stops there,
         // so any token after it would be noise), quotes and brackets inside its strings included.
         let free = StepOptions { constrain: Some(false), ..StepOptions::default() };

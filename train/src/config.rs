@@ -715,8 +715,12 @@ mod tests {
         assert!(toml.contains("dtype = \"bf16\"") && toml.contains("kernels = \"reference\""), "{toml}");
         let d = parse(&["--model", "m", "--data", "d"]).unwrap();
         assert_eq!((d.model.dtype, d.model.kernels), (DTypeChoice::Auto, KernelChoice::Askgui));
-        let e = parse(&["--model", "m", "--data", "d", "--mode", "full", "--dtype", "bf16"]).unwrap_err().to_string();
-        assert!(e.contains("--dtype bf16"), "{e}");
+        // bf16 full training needs a GPU (f32 masters in the optimiser): refused on the CPU, left to the
+        // device choice otherwise (`pick_device` refuses it where `auto` lands on the CPU).
+        let full = ["--model", "m", "--data", "d", "--mode", "full", "--dtype", "bf16"];
+        let e = parse(&[&full[..], &["--device", "cpu"]].concat()).unwrap_err().to_string();
+        assert!(e.contains("--dtype bf16") && e.contains("CPU"), "{e}");
+        assert_eq!(parse(&[&full[..], &["--device", "cuda"]].concat()).unwrap().model.dtype, DTypeChoice::Bf16);
     }
 
     #[test]
