@@ -100,9 +100,9 @@ pub struct StreamOptions {
 }
 
 /// A message as sent: `content` is a string, an array of parts, or null; checked by hand for messages
-/// that say which message and part is wrong. `name`, `refusal`, `tool_calls`, `function_call` and
-/// `audio` are ignored (the prompt has the text and images only); `tool_call_id` comes with the `tool`
-/// role, which is refused.
+/// that say which message and part is wrong. An assistant's `tool_calls` and the `tool` role are the
+/// tool-call language's (refused with the others); `name`, `refusal`, `function_call`, `audio` and
+/// `tool_call_id` are ignored (the prompt has the text and images only).
 #[derive(Serialize, Deserialize, Debug)]
 pub struct InMessage {
     pub role: String,
@@ -231,25 +231,32 @@ fn resolve_model(state: &AppState, info: &BackendInfo, model: &str) -> Result<Op
         .with_code("model_not_found"))
 }
 
-/// The messages, images decoded.
+/// The messages, images decoded. With the tool-call language, an assistant's `tool_calls` are written
+/// back as the model wrote them and `tool` messages are a user turn of `<tool_response>` blocks, as the
+/// Qwen chat templates render them.
 async fn convert_messages(
     state: &AppState,
     messages: Vec<InMessage>,
+    language: ActionLanguage,
     lenient: bool,
 ) -> Result<Vec<ChatMessage>, HttpError> {
     if messages.is_empty() {
         return Err(HttpError::bad_request("messages: empty; send at least one user message"));
     }
-    let mut out = Vec::with_capacity(messages.len());
+    let tool_call = language == ActionLanguage::ToolCall;
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
+    let mut after_tool = false;
     for (i, m) in messages.into_iter().enumerate() {
         let role = match m.role.as_str() {
             "system" | "developer" => ChatRole::System,
             "user" => ChatRole::User,
             "assistant" => ChatRole::Assistant,
+            "tool" if tool_call => ChatRole::User,
             other => {
                 let shown: String = other.chars().take(40).collect();
+                let roles = if tool_call { "system, user, assistant or tool" } else { "system, user or assistant" };
                 return Err(HttpError::bad_request(format!(
-                    "messages[{i}].role: `{shown}` is not supported; use system, user or assistant"
+                    "messages[{i}].role: `{shown}` is not supported; use {roles}"
                 )));
             }
         };
@@ -268,6 +275,26 @@ async fn convert_messages(
                 )))
             }
         }
+        if let Some(calls) = m.tool_calls.filter(|c| !c.is_empty() && role == ChatRole::Assistant) {
+            let at = format!("messages[{i}].tool_calls");
+            if !tool_call {
+                let why = format!("this model answers in its own action language ({}) and calls no tools", language.name());
+                return Err(HttpError::bad_request(format!("{at}: {why}")));
+            }
+            let text = tool_calls::calls_text(&calls, &at).map_err(HttpError::bad_request)?;
+            let sep = if parts.is_empty() { "" } else { "\n" };
+            parts.push(ChatPart::Text(format!("{sep}{text}")));
+        }
+        if m.role == "tool" {
+            let open = if after_tool { "\n<tool_response>\n" } else { "<tool_response>\n" };
+            parts.insert(0, ChatPart::Text(open.into()));
+            parts.push(ChatPart::Text("\n</tool_response>".into()));
+            if let Some(prev) = out.last_mut().filter(|_| after_tool) {
+                prev.parts.extend(parts);
+                continue;
+            }
+        }
+        after_tool = m.role == "tool";
         out.push(ChatMessage { role, parts });
     }
     if !out.iter().any(|m| m.role == ChatRole::User) {
@@ -343,7 +370,7 @@ pub async fn chat_completions(
     if stop.len() > MAX_STOP || stop.iter().any(|s| s.is_empty()) {
         return Err(HttpError::bad_request(format!("stop: at most {MAX_STOP} non-empty strings")));
     }
-    let messages = convert_messages(&state, req.messages, state.config.lenient_requests).await?;
+    let messages = convert_messages(&state, req.messages, info.action_language, state.config.lenient_requests).await?;
     let job = ChatJob { messages, max_tokens, temperature, top_p, seed: req.seed.map(|s| s as u64), stop };
     let meta = Meta {
         id: format!("chatcmpl-{:024x}", rand::rng().random::<u128>() >> 32),

@@ -88,6 +88,23 @@ fn as_written(block: &str, args: &Value) -> Option<String> {
     (serde_json::from_str::<Value>(raw).ok()? == *args).then(|| raw.to_string())
 }
 
+/// An assistant message's `tool_calls` (at `at`) as the model writes them: `<tool_call>` blocks, one a
+/// line, the arguments as given (a JSON object's text), so that the model's own answer reads back unchanged.
+pub fn calls_text(calls: &[Value], at: &str) -> Result<String, String> {
+    let mut blocks = Vec::with_capacity(calls.len());
+    for (j, c) in calls.iter().enumerate() {
+        let name = c.pointer("/function/name").and_then(Value::as_str);
+        let name = name.ok_or_else(|| format!("{at}[{j}].function.name: missing; a call names its function"))?;
+        let arguments = match c.pointer("/function/arguments") {
+            Some(Value::String(s)) if serde_json::from_str::<Value>(s).is_ok_and(|v| v.is_object()) => s.clone(),
+            Some(a @ Value::Object(_)) => a.to_string(),
+            _ => return Err(format!("{at}[{j}].function.arguments: expected a JSON object (as a string)")),
+        };
+        blocks.push(format!("{OPEN}\n{{\"name\": {}, \"arguments\": {arguments}}}\n{CLOSE}", json!(name)));
+    }
+    Ok(blocks.join("\n"))
+}
+
 /// The content of a streamed answer whose calls are sent at the end: what of each piece can go out now.
 #[derive(Debug, Default)]
 pub struct CallStream {
@@ -161,6 +178,15 @@ mod tests {
         // Arguments written as a JSON string are handed over as that string.
         let (_, calls) = split("<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>");
         assert_eq!(calls[0].arguments, "{\"a\": 1}");
+    }
+
+    #[test]
+    fn a_call_handed_back_reads_as_the_model_wrote_it() {
+        let (_, calls) = split(CALL);
+        let back = calls_text(&[calls[0].message_json()], "messages[1].tool_calls").unwrap();
+        assert_eq!(back, CALL);
+        let e = calls_text(&[json!({"function": {"name": "f", "arguments": "[1]"}})], "m").unwrap_err();
+        assert!(e.contains("m[0].function.arguments"), "{e}");
     }
 
     #[test]
