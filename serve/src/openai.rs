@@ -278,7 +278,8 @@ async fn convert_messages(
         if let Some(calls) = m.tool_calls.filter(|c| !c.is_empty() && role == ChatRole::Assistant) {
             let at = format!("messages[{i}].tool_calls");
             if !tool_call {
-                let why = format!("this model answers in its own action language ({}) and calls no tools", language.name());
+                let why =
+                    format!("this model answers in its own action language ({}) and calls no tools", language.name());
                 return Err(HttpError::bad_request(format!("{at}: {why}")));
             }
             let text = tool_calls::calls_text(&calls, &at).map_err(HttpError::bad_request)?;

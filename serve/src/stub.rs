@@ -214,9 +214,9 @@ impl StubBackend {
         }
         let language = self.info.action_language;
         if language != ActionLanguage::AskguiJson {
-            let said = language.render(&rule_action(text.contains('?'), 500, 500)).map_err(|e| {
-                BackendError::Internal(format!("the stub's action is not expressible: {e}"))
-            })?;
+            let said = language
+                .render(&rule_action(text.contains('?'), 500, 500))
+                .map_err(|e| BackendError::Internal(format!("the stub's action is not expressible: {e}")))?;
             pieces.push("\n".into());
             pieces.extend(said.split_inclusive([' ', '\n']).map(String::from));
         }

@@ -209,7 +209,8 @@ mod tests {
                 }
                 let (rest, streamed_calls) = s.finish(text);
                 assert_eq!(Some(sent + &rest).filter(|c| !c.is_empty()), content, "{text:?} in pieces of {size}");
-                let names = |c: &[ToolCall]| c.iter().map(|c| (c.name.clone(), c.arguments.clone())).collect::<Vec<_>>();
+                let names =
+                    |c: &[ToolCall]| c.iter().map(|c| (c.name.clone(), c.arguments.clone())).collect::<Vec<_>>();
                 assert_eq!(names(&streamed_calls), names(&calls));
             }
         }
