@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse};
+use askgui_data::ActionLanguage;
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot};
 
@@ -172,6 +173,8 @@ pub struct BackendInfo {
     pub pauses: PauseLevels,
     /// The earlier screenshots a step's prompt shows before the current one.
     pub history_images: usize,
+    /// The action language the model writes (what the OpenAI endpoint's `tools` depend on).
+    pub action_language: ActionLanguage,
 }
 
 /// The pause thresholds requests default to: `--pause-threshold`, else the calibrated level of the

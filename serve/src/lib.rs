@@ -38,6 +38,7 @@ pub mod sessions;
 pub mod state;
 pub mod strict;
 pub mod stub;
+pub mod tool_calls;
 pub mod ui;
 
 pub use config::{Cli, Command, Config, PredictArgs};

@@ -17,7 +17,8 @@ fn load_backend(cfg: &Config) -> Result<Box<dyn Backend>, BoxError> {
     if cfg.stub {
         let names: Vec<&str> = cfg.adapters.iter().map(|a| a.name.as_str()).collect();
         tracing::warn!("serving the stub backend: its answers are fixed rules, not a model");
-        return Ok(Box::new(StubBackend::new(&cfg.model, &names)));
+        let language = cfg.action_language.unwrap_or_default();
+        return Ok(Box::new(StubBackend::new(&cfg.model, &names).with_language(language)));
     }
     load_model(cfg)
 }

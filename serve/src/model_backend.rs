@@ -193,8 +193,10 @@ impl ModelBackend {
         adapters.sort();
         let context_length = runtime.context_length();
         let history_images = runtime.prompt_config().history_images;
+        let action_language = runtime.prompt_config().action_language;
         let pauses = PauseLevels::default();
-        let info = BackendInfo { model: model_id.into(), adapters, context_length, pauses, history_images };
+        let info =
+            BackendInfo { model: model_id.into(), adapters, context_length, pauses, history_images, action_language };
         let jobs = Jobs { runtime, info };
         let kv_pool = jobs.runtime.kv_pool().clone();
         Ok(Self { runner: Runner::new(Packed::new(model), kv_pool), jobs })

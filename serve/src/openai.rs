@@ -8,12 +8,16 @@
 //! OpenAI answers (`--lenient-requests` logs it instead). A streamed answer waits for the model's
 //! first piece (or its failure) before sending the 200, so a prompt over the context is still a clean
 //! 400; after that, a failure is reported as an `error` event in the stream.
+//! The answer is the served action language's own text; a model of the tool-call language asked with
+//! `tools` answers OpenAI `tool_calls` instead ([`crate::tool_calls`], [`wants_tool_calls`]).
 //! Reference: <https://platform.openai.com/docs/api-reference/chat>.
 
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix_web::{web, HttpResponse};
+use askgui_data::language::TOOL_NAME;
+use askgui_data::ActionLanguage;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -27,6 +31,7 @@ use crate::engine::{CallError, CancelGuard};
 use crate::error::HttpError;
 use crate::state::AppState;
 use crate::strict::{self, Strict};
+use crate::tool_calls::{self, CallStream, ToolCall};
 
 /// The most stop strings a request may give (OpenAI allows 4).
 const MAX_STOP: usize = 16;
@@ -56,15 +61,16 @@ pub struct ChatRequest {
     pub response_format: Option<Value>,
     pub modalities: Option<Vec<String>>,
     pub audio: Option<Value>,
-    pub tool_choice: Option<Value>,
-    pub function_call: Option<Value>,
     pub web_search_options: Option<Value>,
-    // Accepted and ignored: hints, bookkeeping, and tools the model never calls.
+    // The tool-call language's function calls ([`wants_tool_calls`]); refused with the other languages.
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Vec<Value>>,
+    pub function_call: Option<Value>,
+    // Accepted and ignored: hints and bookkeeping.
     pub frequency_penalty: Option<f64>,
     pub presence_penalty: Option<f64>,
     pub logit_bias: Option<Value>,
-    pub tools: Option<Vec<Value>>,
-    pub functions: Option<Vec<Value>>,
     pub parallel_tool_calls: Option<bool>,
     pub prediction: Option<Value>,
     pub reasoning_effort: Option<String>,
@@ -94,9 +100,9 @@ pub struct StreamOptions {
 }
 
 /// A message as sent: `content` is a string, an array of parts, or null; checked by hand for messages
-/// that say which message and part is wrong. `name`, `refusal`, `tool_calls`, `function_call` and
-/// `audio` are ignored (the prompt has the text and images only); `tool_call_id` comes with the `tool`
-/// role, which is refused.
+/// that say which message and part is wrong. An assistant's `tool_calls` and the `tool` role are the
+/// tool-call language's (refused with the others); `name`, `refusal`, `function_call`, `audio` and
+/// `tool_call_id` are ignored (the prompt has the text and images only).
 #[derive(Serialize, Deserialize, Debug)]
 pub struct InMessage {
     pub role: String,
@@ -142,7 +148,7 @@ struct ImageUrl {
 
 /// A 400 for parameters whose value asks for what this server cannot give (anything else it does not use
 /// is ignored).
-fn refuse_unsupported(req: &ChatRequest) -> Result<(), HttpError> {
+fn refuse_unsupported(req: &ChatRequest, language: ActionLanguage) -> Result<(), HttpError> {
     let refuse = |field: &str, why: &str| Err(HttpError::bad_request(format!("{field}: {why}")));
     if let Some(n) = req.n.filter(|&n| n != 1) {
         return refuse("n", &format!("{n} choices asked; this server answers n = 1 only"));
@@ -152,20 +158,58 @@ fn refuse_unsupported(req: &ChatRequest) -> Result<(), HttpError> {
     }
     let format = req.response_format.as_ref().map(|f| f.get("type").and_then(Value::as_str).unwrap_or("?"));
     if format.is_some_and(|t| t != "text") {
-        return refuse("response_format", "only `text`: the model writes its action in its own action language");
+        let why = format!("only `text`: the model writes its action in its own action language ({})", language.name());
+        return refuse("response_format", &why);
     }
     if req.modalities.as_ref().is_some_and(|m| m.iter().any(|m| m != "text")) || req.audio.is_some() {
         return refuse("modalities", "this server answers text only (no `audio`)");
-    }
-    for (field, choice) in [("tool_choice", &req.tool_choice), ("function_call", &req.function_call)] {
-        if choice.as_ref().is_some_and(|c| c != "none" && c != "auto") {
-            return refuse(field, "the model does not call tools; use `none` or `auto`, or leave it out");
-        }
     }
     if req.web_search_options.is_some() {
         return refuse("web_search_options", "this server does not search the web");
     }
     Ok(())
+}
+
+/// Whether the answer's tool calls go out as OpenAI `tool_calls`: with `tools` naming the tool-call
+/// language's function (`computer_use`) and `tool_choice` not `none`. `tools` with another language,
+/// a list without that function, and a choice that would force a call (free decoding promises none) are
+/// 400s that say what to send.
+fn wants_tool_calls(req: &ChatRequest, language: ActionLanguage) -> Result<bool, HttpError> {
+    let refuse = |field: &str, why: String| Err(HttpError::bad_request(format!("{field}: {why}")));
+    let tool_call = language == ActionLanguage::ToolCall;
+    let own = match tool_call {
+        true => format!("send `tools` with the function `{TOOL_NAME}`"),
+        false => format!("this model answers in its own action language ({}), as text", language.name()),
+    };
+    if req.functions.as_ref().is_some_and(|f| !f.is_empty()) {
+        return refuse("functions", format!("the deprecated `functions` is not served; {own}"));
+    }
+    for (field, choice) in [("tool_choice", &req.tool_choice), ("function_call", &req.function_call)] {
+        if choice.as_ref().is_some_and(|c| c != "none" && c != "auto") {
+            return refuse(
+                field,
+                "`none` or `auto` only: this endpoint decodes freely and cannot force a call (a model of the                  tool-call language writes one anyway; the agent API always answers an action)"
+                    .into(),
+            );
+        }
+    }
+    let Some(tools) = req.tools.as_deref().filter(|t| !t.is_empty()) else { return Ok(false) };
+    if !tool_call {
+        return refuse("tools", format!("{own} in `content`, and calls no tools; leave `tools` out"));
+    }
+    let names: Vec<&str> = tools
+        .iter()
+        .filter(|t| t.get("type").and_then(Value::as_str) == Some("function"))
+        .filter_map(|t| t.pointer("/function/name").and_then(Value::as_str))
+        .collect();
+    if !names.contains(&TOOL_NAME) {
+        let given: String = format!("{names:?}").chars().take(200).collect();
+        return refuse(
+            "tools",
+            format!("the model calls one function, `{TOOL_NAME}` (the tool-call action language), and the function tools given are {given}; add `{TOOL_NAME}`"),
+        );
+    }
+    Ok(req.tool_choice.as_ref().is_none_or(|c| c != "none"))
 }
 
 fn unix_now() -> u64 {
@@ -187,25 +231,32 @@ fn resolve_model(state: &AppState, info: &BackendInfo, model: &str) -> Result<Op
         .with_code("model_not_found"))
 }
 
-/// The messages, images decoded.
+/// The messages, images decoded. With the tool-call language, an assistant's `tool_calls` are written
+/// back as the model wrote them and `tool` messages are a user turn of `<tool_response>` blocks, as the
+/// Qwen chat templates render them.
 async fn convert_messages(
     state: &AppState,
     messages: Vec<InMessage>,
+    language: ActionLanguage,
     lenient: bool,
 ) -> Result<Vec<ChatMessage>, HttpError> {
     if messages.is_empty() {
         return Err(HttpError::bad_request("messages: empty; send at least one user message"));
     }
-    let mut out = Vec::with_capacity(messages.len());
+    let tool_call = language == ActionLanguage::ToolCall;
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
+    let mut after_tool = false;
     for (i, m) in messages.into_iter().enumerate() {
         let role = match m.role.as_str() {
             "system" | "developer" => ChatRole::System,
             "user" => ChatRole::User,
             "assistant" => ChatRole::Assistant,
+            "tool" if tool_call => ChatRole::User,
             other => {
                 let shown: String = other.chars().take(40).collect();
+                let roles = if tool_call { "system, user, assistant or tool" } else { "system, user or assistant" };
                 return Err(HttpError::bad_request(format!(
-                    "messages[{i}].role: `{shown}` is not supported; use system, user or assistant"
+                    "messages[{i}].role: `{shown}` is not supported; use {roles}"
                 )));
             }
         };
@@ -224,6 +275,27 @@ async fn convert_messages(
                 )))
             }
         }
+        if let Some(calls) = m.tool_calls.filter(|c| !c.is_empty() && role == ChatRole::Assistant) {
+            let at = format!("messages[{i}].tool_calls");
+            if !tool_call {
+                let why =
+                    format!("this model answers in its own action language ({}) and calls no tools", language.name());
+                return Err(HttpError::bad_request(format!("{at}: {why}")));
+            }
+            let text = tool_calls::calls_text(&calls, &at).map_err(HttpError::bad_request)?;
+            let sep = if parts.is_empty() { "" } else { "\n" };
+            parts.push(ChatPart::Text(format!("{sep}{text}")));
+        }
+        if m.role == "tool" {
+            let open = if after_tool { "\n<tool_response>\n" } else { "<tool_response>\n" };
+            parts.insert(0, ChatPart::Text(open.into()));
+            parts.push(ChatPart::Text("\n</tool_response>".into()));
+            if let Some(prev) = out.last_mut().filter(|_| after_tool) {
+                prev.parts.extend(parts);
+                continue;
+            }
+        }
+        after_tool = m.role == "tool";
         out.push(ChatMessage { role, parts });
     }
     if !out.iter().any(|m| m.role == ChatRole::User) {
@@ -276,7 +348,8 @@ pub async fn chat_completions(
     let req = body.into_inner();
     let info = state.engine.info()?;
     let adapter = resolve_model(&state, &info, &req.model)?;
-    refuse_unsupported(&req)?;
+    refuse_unsupported(&req, info.action_language)?;
+    let tool_calls = wants_tool_calls(&req, info.action_language)?;
     let temperature = req.temperature.unwrap_or(0.0);
     if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
         return Err(HttpError::bad_request(format!("temperature: must be in 0..=2, got {temperature}")));
@@ -298,7 +371,7 @@ pub async fn chat_completions(
     if stop.len() > MAX_STOP || stop.iter().any(|s| s.is_empty()) {
         return Err(HttpError::bad_request(format!("stop: at most {MAX_STOP} non-empty strings")));
     }
-    let messages = convert_messages(&state, req.messages, state.config.lenient_requests).await?;
+    let messages = convert_messages(&state, req.messages, info.action_language, state.config.lenient_requests).await?;
     let job = ChatJob { messages, max_tokens, temperature, top_p, seed: req.seed.map(|s| s as u64), stop };
     let meta = Meta {
         id: format!("chatcmpl-{:024x}", rand::rng().random::<u128>() >> 32),
@@ -307,24 +380,29 @@ pub async fn chat_completions(
     };
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.unwrap_or_default().include_usage;
-        return stream(&state, job, adapter, meta, include_usage).await;
+        return stream(&state, job, adapter, meta, include_usage, tool_calls).await;
     }
     let out = match state.engine.call(JobKind::Chat(job), adapter).await? {
         JobOutput::Chat(out) => out,
         JobOutput::Step(_) => return Err(HttpError::internal("the backend answered a chat with a step")),
     };
     state.engine.metrics().tokens(out.prompt_tokens, out.completion_tokens);
+    let mut message = json!({"role": "assistant", "content": out.text});
+    let mut finish = finish_str(out.finish_reason);
+    if tool_calls {
+        let (content, calls) = tool_calls::split(&out.text);
+        message["content"] = json!(content);
+        if !calls.is_empty() {
+            message["tool_calls"] = calls.iter().map(ToolCall::message_json).collect();
+            finish = "tool_calls";
+        }
+    }
     Ok(HttpResponse::Ok().json(json!({
         "id": meta.id,
         "object": "chat.completion",
         "created": meta.created,
         "model": meta.model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": null,
-            "finish_reason": finish_str(out.finish_reason),
-        }],
+        "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
         "usage": usage_json(&out),
     })))
 }
@@ -363,6 +441,8 @@ struct Streaming {
     outcome: Option<Reply>,
     guard: CancelGuard,
     include_usage: bool,
+    /// With `tools`: holds a call's text back from the content, to send it as `tool_calls` at the end.
+    calls: Option<CallStream>,
     state: web::Data<AppState>,
     /// Events ready to send before anything else (the role chunk, a first piece).
     queued: String,
@@ -370,18 +450,48 @@ struct Streaming {
 }
 
 impl Streaming {
+    /// The event of a text piece: a content chunk, or nothing while a tool call's text is held back.
+    fn piece_event(&mut self, piece: &str) -> String {
+        let content = match &mut self.calls {
+            Some(calls) => calls.piece(piece),
+            None => piece.to_string(),
+        };
+        match content.is_empty() {
+            true => String::new(),
+            false => sse(&self.meta.chunk(json!({"content": content}), None)),
+        }
+    }
+
+    /// With `tools`: the content held back and the calls' chunks, and the finish reason.
+    fn calls_events(&self, o: &ChatOutput) -> (String, &'static str) {
+        let Some(calls) = &self.calls else { return (String::new(), finish_str(o.finish_reason)) };
+        let (rest, calls) = calls.finish(&o.text);
+        let mut out = String::new();
+        if !rest.is_empty() {
+            out += &sse(&self.meta.chunk(json!({"content": rest}), None));
+        }
+        for (i, call) in calls.iter().enumerate() {
+            for delta in call.stream_deltas(i) {
+                out += &sse(&self.meta.chunk(delta, None));
+            }
+        }
+        (out, if calls.is_empty() { finish_str(o.finish_reason) } else { "tool_calls" })
+    }
+
     /// The final events once the reply is in: pieces still buffered, the finish chunk, usage, `[DONE]`.
     fn finish(&mut self, outcome: Reply) -> String {
         let mut out = std::mem::take(&mut self.queued);
         while let Ok(p) = self.pieces.try_recv() {
-            out += &sse(&self.meta.chunk(json!({"content": p}), None));
+            out += &self.piece_event(&p);
         }
         self.guard.disarm();
         self.done = true;
         let err = match outcome {
             Ok(Ok(JobOutput::Chat(o))) => {
                 self.state.engine.metrics().tokens(o.prompt_tokens, o.completion_tokens);
-                out += &sse(&self.meta.chunk(json!({}), Some(finish_str(o.finish_reason))));
+                let (calls, finish) = self.calls_events(&o);
+                out += &calls;
+                out += &sse(&self.meta.chunk(json!({}), Some(finish)));
                 if self.include_usage {
                     let mut usage = self.meta.chunk(json!({}), None);
                     usage["choices"] = json!([]);
@@ -413,7 +523,12 @@ impl Streaming {
             tokio::select! {
                 biased;
                 p = self.pieces.recv(), if self.pieces_open => match p {
-                    Some(p) => return Some(sse(&self.meta.chunk(json!({"content": p}), None))),
+                    Some(p) => {
+                        let event = self.piece_event(&p);
+                        if !event.is_empty() {
+                            return Some(event);
+                        }
+                    }
                     None => self.pieces_open = false,
                 },
                 r = &mut self.reply => return Some(self.finish(r)),
@@ -429,6 +544,7 @@ async fn stream(
     adapter: Option<String>,
     meta: Meta,
     include_usage: bool,
+    tool_calls: bool,
 ) -> Result<HttpResponse, HttpError> {
     let pending = state.engine.enqueue(JobKind::Chat(job), adapter, true)?;
     let Some(pieces) = pending.stream else {
@@ -443,6 +559,7 @@ async fn stream(
         outcome: None,
         guard: pending.guard,
         include_usage,
+        calls: tool_calls.then(CallStream::default),
         state: state.clone(),
         queued: role,
         done: false,
@@ -453,7 +570,8 @@ async fn stream(
             biased;
             p = st.pieces.recv(), if st.pieces_open => match p {
                 Some(p) => {
-                    st.queued += &sse(&st.meta.chunk(json!({"content": p}), None));
+                    let event = st.piece_event(&p);
+                    st.queued += &event;
                     break;
                 }
                 None => st.pieces_open = false,

@@ -6,7 +6,9 @@
 //! user's `say`; otherwise a click at the centre of the screen. The frame is the screen itself
 //! (`FrameKind::Screen`), usage counts words, timings are zeros but `queue_ms`.
 //! Chat jobs: `echo: <text of the last user message>`, streamed word by word, cut at `max_tokens` words
-//! (finish `length`) or before the first stop string (finish `stop`).
+//! (finish `length`) or before the first stop string (finish `stop`). A stub serving another action
+//! language ([`StubBackend::with_language`]) adds a line with the step rule's action in that language
+//! (the ask when the text has `?`, else a click at (500, 500)), streamed at spaces and line ends.
 //!
 //! Markers in the task or the last user text steer it, for the tests of failure paths:
 //! `STUB_PANIC` panics in `run`; `STUB_FAIL` answers `BackendError::Internal`; `STUB_OVERFLOW` answers
@@ -19,7 +21,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use askgui_data::agent_api::{AgentStepRequest, AgentStepResponse, FrameInfo, Timings, Usage};
-use askgui_data::{Action, Ask, AskKind, FrameKind, FrameMap, ResizeBounds, Target, Turn};
+use askgui_data::{Action, ActionLanguage, Ask, AskKind, FrameKind, FrameMap, ResizeBounds, Target, Turn};
 
 use crate::backend::{
     Backend, BackendError, BackendInfo, ChatJob, ChatOutput, ChatPart, ChatRole, FinishReason, Job, JobKind, JobOutput,
@@ -93,8 +95,15 @@ impl StubBackend {
             context_length: 4096,
             pauses: PauseLevels::default(),
             history_images: 0,
+            action_language: ActionLanguage::AskguiJson,
         };
         Self { info, log }
+    }
+
+    /// Answers chats in `language` too (askgui JSON, the default, only echoes).
+    pub fn with_language(mut self, language: ActionLanguage) -> Self {
+        self.info.action_language = language;
+        self
     }
 
     /// Claims these pause levels (the stub itself never pauses by them).
@@ -105,6 +114,18 @@ impl StubBackend {
 
     pub fn log(&self) -> Arc<StubLog> {
         self.log.clone()
+    }
+}
+
+/// The step rule's action: the ask, or a click at (x, y).
+fn rule_action(ask: bool, x: i32, y: i32) -> Action {
+    match ask {
+        true => Action::Ask(Ask {
+            question: "Which one do you mean?".into(),
+            options: vec![],
+            kind: Some(AskKind::Specification),
+        }),
+        false => Action::Click(Target::point(x, y)),
     }
 }
 
@@ -154,15 +175,7 @@ impl StubBackend {
         let turns = &req.history;
         let last_ask = turns.iter().rposition(|t| matches!(t, Turn::Agent { action: Action::Ask(_) }));
         let answered = last_ask.is_some_and(|i| turns[i + 1..].iter().any(|t| matches!(t, Turn::Say { .. })));
-        let action = if req.task.contains('?') && !answered {
-            Action::Ask(Ask {
-                question: "Which one do you mean?".into(),
-                options: vec![],
-                kind: Some(AskKind::Specification),
-            })
-        } else {
-            Action::Click(Target::point((w / 2) as i32, (h / 2) as i32))
-        };
+        let action = rule_action(req.task.contains('?') && !answered, (w / 2) as i32, (h / 2) as i32);
         let model_action = frame.action_to_model(&action);
         let raw = model_action.render();
         let image_tokens = s.screenshots.len() * 4;
@@ -198,6 +211,14 @@ impl StubBackend {
         let mut pieces: Vec<String> = Vec::new();
         for (i, w) in full.split_whitespace().enumerate() {
             pieces.push(if i == 0 { w.to_string() } else { format!(" {w}") });
+        }
+        let language = self.info.action_language;
+        if language != ActionLanguage::AskguiJson {
+            let said = language
+                .render(&rule_action(text.contains('?'), 500, 500))
+                .map_err(|e| BackendError::Internal(format!("the stub's action is not expressible: {e}")))?;
+            pieces.push("\n".into());
+            pieces.extend(said.split_inclusive([' ', '\n']).map(String::from));
         }
         let mut finish = FinishReason::Stop;
         if pieces.len() > c.max_tokens {

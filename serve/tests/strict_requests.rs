@@ -54,8 +54,8 @@ fn full_chat(shot: &str) -> Value {
         "n": 1, "logprobs": false, "top_logprobs": 0, "response_format": {"type": "text"},
         "modalities": ["text"], "audio": null, "tool_choice": "auto", "function_call": "none",
         "web_search_options": null, "frequency_penalty": 0.5, "presence_penalty": -0.5,
-        "logit_bias": {"50256": -100}, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        "functions": [{"name": "g"}], "parallel_tool_calls": false, "prediction": {"type": "content", "content": "x"},
+        // Empty: the stub answers askgui JSON, which calls no tools (`tests/tool_calls.rs` has the lists).
+        "logit_bias": {"50256": -100}, "tools": [], "functions": [], "parallel_tool_calls": false, "prediction": {"type": "content", "content": "x"},
         "reasoning_effort": "low", "verbosity": "low", "user": "u-1", "safety_identifier": "s-1",
         "prompt_cache_key": "k", "prompt_cache_retention": "in_memory", "metadata": {"run": "7"}, "store": false,
         "service_tier": "auto"
