@@ -283,38 +283,6 @@ fn qwen3_vl_answers_in_its_native_0_1000_frame_and_the_runtime_returns_screen_pi
     assert!(model_frame.points().iter().all(|&(x, y)| x < 1000 && y < 1000), "{}", out.raw);
 }
 
-/// Every action kind of each non-JSON language (each of its action names, with and without its optional
-/// arguments), as protocol actions in the model frame; the language's rendering of each is the target.
-fn language_actions() -> Vec<Action> {
-    use askgui_data::{Ask, AskKind, AskOption, Direction, DoneStatus, Segment, Target};
-    let option = |l: &str| AskOption { label: l.into(), detail: None };
-    let ask = |options: Vec<AskOption>, kind| Action::Ask(Ask { question: "Which size?".into(), options, kind });
-    vec![
-        Action::Click(Target::point(10, 20)),
-        Action::DoubleClick(Target::point(100, 5)),
-        Action::RightClick(Target::point(0, 0)),
-        Action::LongPress(Target::point(3, 70)),
-        Action::Drag(Segment { x1: 1, y1: 2, x2: 30, y2: 40 }),
-        Action::Swipe(Segment { x1: 10, y1: 80, x2: 10, y2: 5 }),
-        Action::Scroll { x: Some(50), y: Some(40), direction: Direction::Down },
-        Action::Scroll { x: None, y: None, direction: Direction::Left },
-        Action::Type { text: "oat milk".into() },
-        Action::Press { key: "enter".into() },
-        Action::Press { key: "back".into() },
-        Action::Press { key: "home".into() },
-        Action::Hotkey { keys: vec!["ctrl".into(), "shift".into(), "t".into()] },
-        Action::OpenApp { name: "Shop".into() },
-        Action::Wait { seconds: 3.0 },
-        Action::Wait { seconds: 5.0 },
-        ask(vec![], None),
-        ask(vec![option("Small"), option("Large")], Some(AskKind::Selection)),
-        ask(vec![], Some(AskKind::Specification)),
-        Action::Answer { text: "42".into() },
-        Action::Done { status: DoneStatus::Success },
-        Action::Done { status: DoneStatus::Infeasible },
-    ]
-}
-
 /// In UI-TARS's and the tool-call language, the constrained decoder writes each action kind as steered,
 /// and the text parses in the language back to the steered action: every name the language has is
 /// written (UI-TARS cannot say a failed `done`, so that one is left out there). UI-TARS's texts, the
@@ -336,7 +304,7 @@ fn every_action_kind_of_every_language_is_written_as_steered_and_parses_back() {
         let step = Step { task: "Buy oat milk", history: &[], screenshots: &shots, elements: None, screen: None };
         let mut names: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
         let mut written = Vec::new();
-        for action in language_actions() {
+        for action in official::every_action_kind() {
             let Ok(target) = language.render(&action) else { continue };
             let out = rt.step(&Steer::new(&texts, &target), &step, &StepOptions::default(), &|| false).unwrap();
             let (_, got) = out.parsed.unwrap_or_else(|e| panic!("{language:?} {target}: {e}: {}", out.raw));

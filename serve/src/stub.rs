@@ -8,7 +8,9 @@
 //! Chat jobs: `echo: <text of the last user message>`, streamed word by word, cut at `max_tokens` words
 //! (finish `length`) or before the first stop string (finish `stop`). A stub serving another action
 //! language ([`StubBackend::with_language`]) adds a line with the step rule's action in that language
-//! (the ask when the text has `?`, else a click at (500, 500)), streamed at spaces and line ends.
+//! (the ask when the text has `?`, else a click at (500, 500)), streamed at spaces and line ends. A last
+//! user text `STUB_ACT {protocol action as JSON}` answers that action in the language, and nothing else
+//! (how a test has the endpoint return every action kind a language has).
 //!
 //! Markers in the task or the last user text steer it, for the tests of failure paths:
 //! `STUB_PANIC` panics in `run`; `STUB_FAIL` answers `BackendError::Internal`; `STUB_OVERFLOW` answers
@@ -118,6 +120,17 @@ impl StubBackend {
 }
 
 /// The step rule's action: the ask, or a click at (x, y).
+impl StubBackend {
+    /// A chat steered by `STUB_ACT`: the action in the served language, streamed at spaces and line ends.
+    fn act(&self, job: &Job, c: &ChatJob, json: &str) -> Result<JobOutput, BackendError> {
+        let action: Action =
+            serde_json::from_str(json).map_err(|e| BackendError::BadInput(format!("STUB_ACT: not an action: {e}")))?;
+        let said = self.info.action_language.render(&action).map_err(|e| BackendError::BadInput(e.to_string()))?;
+        let pieces: Vec<String> = said.split_inclusive([' ', '\n']).map(String::from).collect();
+        self.answer_chat(job, c, pieces)
+    }
+}
+
 fn rule_action(ask: bool, x: i32, y: i32) -> Action {
     match ask {
         true => Action::Ask(Ask {
@@ -207,6 +220,9 @@ impl StubBackend {
                     .join(" ")
             })
             .unwrap_or_default();
+        if let Some(json) = text.trim().strip_prefix("STUB_ACT ") {
+            return self.act(job, c, json);
+        }
         let full = format!("echo: {text}");
         let mut pieces: Vec<String> = Vec::new();
         for (i, w) in full.split_whitespace().enumerate() {
@@ -220,6 +236,11 @@ impl StubBackend {
             pieces.push("\n".into());
             pieces.extend(said.split_inclusive([' ', '\n']).map(String::from));
         }
+        self.answer_chat(job, c, pieces)
+    }
+
+    /// A chat answer of `pieces`: cut at `max_tokens` pieces or before the first stop string, streamed.
+    fn answer_chat(&self, job: &Job, c: &ChatJob, mut pieces: Vec<String>) -> Result<JobOutput, BackendError> {
         let mut finish = FinishReason::Stop;
         if pieces.len() > c.max_tokens {
             pieces.truncate(c.max_tokens);

@@ -1,7 +1,7 @@
 //! The official UI-TARS action parser (`@ui-tars/action-parser`, npm) from Rust tests: run by node through
 //! `ui_tars_parser.js` beside this file, and its answers read as protocol actions (its own mapping, written
-//! here once). Shared by askgui-data's agreement test and askgui-runtime's constrained-decoder test
-//! (`#[path]`). Needs node and `ASKGUI_UI_TARS_NODE_MODULES`, a node_modules folder holding the package
+//! here once), and one action of every kind. Shared by askgui-data's agreement test, askgui-runtime's
+//! constrained-decoder test and askgui-serve's OpenAI-endpoint test (`#[path]`). Needs node and `ASKGUI_UI_TARS_NODE_MODULES`, a node_modules folder holding the package
 //! (`npm install @ui-tars/action-parser@1.2.3`, which `.ci/run` does).
 #![allow(dead_code)]
 
@@ -87,4 +87,36 @@ pub fn action(parsed: &Value) -> Action {
         }),
         other => panic!("the official parser read an action askgui does not write: {other}"),
     }
+}
+
+/// One action of every kind the protocol has, and the variants a language writes differently (a scroll with
+/// and without a point, the three keys UI-TARS names apart, asks with and without options and kind, both
+/// waits' spellings, each `done`), for the tests that run every kind through a language.
+pub fn every_action_kind() -> Vec<Action> {
+    let option = |l: &str| AskOption { label: l.into(), detail: None };
+    let ask = |options: Vec<AskOption>, kind| Action::Ask(Ask { question: "Which size?".into(), options, kind });
+    vec![
+        Action::Click(Target::point(10, 20)),
+        Action::DoubleClick(Target::point(100, 5)),
+        Action::RightClick(Target::point(0, 0)),
+        Action::LongPress(Target::point(3, 70)),
+        Action::Drag(Segment { x1: 1, y1: 2, x2: 30, y2: 40 }),
+        Action::Swipe(Segment { x1: 10, y1: 80, x2: 10, y2: 5 }),
+        Action::Scroll { x: Some(50), y: Some(40), direction: Direction::Down },
+        Action::Scroll { x: None, y: None, direction: Direction::Left },
+        Action::Type { text: "oat milk".into() },
+        Action::Press { key: "enter".into() },
+        Action::Press { key: "back".into() },
+        Action::Press { key: "home".into() },
+        Action::Hotkey { keys: vec!["ctrl".into(), "shift".into(), "t".into()] },
+        Action::OpenApp { name: "Shop".into() },
+        Action::Wait { seconds: 3.0 },
+        Action::Wait { seconds: 5.0 },
+        ask(vec![], None),
+        ask(vec![option("Small"), option("Large")], Some(AskKind::Selection)),
+        ask(vec![], Some(AskKind::Specification)),
+        Action::Answer { text: "42".into() },
+        Action::Done { status: DoneStatus::Success },
+        Action::Done { status: DoneStatus::Infeasible },
+    ]
 }
