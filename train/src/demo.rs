@@ -12,7 +12,8 @@
 //!
 //! The key choice: a model trained from scratch learns to pick an option by the task's words only with the
 //! region loss read from its first decoder layer, and keeps a question's tokens apart only with the dialogues'
-//! words in its base training. Both agents use the compact system prompt ([`SystemPrompt::Compact`]).
+//! words in its base training. Both agents use the compact system prompt ([`SystemPrompt::Compact`]), in
+//! `--action-language` (askgui JSON by default; both trainings and the evaluation speak it).
 //! What the demo measured, the probes behind these choices and the sweeps behind its defaults: `docs/demo.md`.
 
 use std::path::{Path, PathBuf};
@@ -21,7 +22,8 @@ use std::time::Instant;
 use askgui_data::agent_api::StepOptions;
 use askgui_data::synth::{synth, SynthArgs};
 use askgui_data::{
-    episode_samples, load_episodes, render_chatml, FrameKind, PromptConfig, PromptFlags, SystemPrompt, TaskMode,
+    episode_samples, load_episodes, render_chatml, ActionLanguage, FrameKind, PromptConfig, PromptFlags, SystemPrompt,
+    TaskMode,
 };
 use askgui_eval::backends::{InProcessAgent, MemoAgent};
 use askgui_eval::calibrate::Calibration;
@@ -93,6 +95,10 @@ pub struct DemoArgs {
     /// on its 32-pixel grid, 160x320 unless --width/--height say otherwise, in relative 0-1000 coordinates).
     #[arg(long, value_enum, default_value_t = DemoArch::Qwen25Vl)]
     pub arch: DemoArch,
+    /// The action language of both trainings (askgui-train `--action-language`; `ui-tars`: UI-TARS-1.5's
+    /// calls in pixels of the resized screen); eval, calibration and serve read it from askgui.json.
+    #[arg(long, value_enum, default_value_t = ActionLanguage::AskguiJson)]
+    pub action_language: ActionLanguage,
     /// Synthetic episodes in all (split train:val:test by --split).
     #[arg(long, default_value_t = 3000)]
     pub episodes: usize,
@@ -232,12 +238,14 @@ fn head(episodes: &Path, n: usize, dir: &Path, name: &str) -> Result<PathBuf> {
     Ok(out)
 }
 
-/// The prompt layout of the demo's agents, in training and in evaluation.
+/// The prompt layout of the demo's agents, in training and in evaluation: the frame is the language's own
+/// (UI-TARS's resized pixels), else the family's, as askgui-train picks it.
 fn prompt_config(a: &DemoArgs) -> PromptConfig {
     PromptConfig {
-        frame: a.arch.frame(),
+        frame: a.action_language.native_frame().unwrap_or(a.arch.frame()),
         max_pixels: a.max_pixels,
         system_prompt: SystemPrompt::Compact,
+        action_language: a.action_language,
         ..PromptConfig::default()
     }
 }
@@ -280,7 +288,8 @@ fn demo_config(a: &DemoArgs, vocab: usize) -> Result<String> {
 /// The demo's in-process agent: `model` (with the adapter in `adapter` folded in) on the CPU, the prompt
 /// it was trained with, the server's decoding with `pause_threshold`.
 fn agent(model: &Path, adapter: Option<&Path>, pause_threshold: Option<f64>, a: &DemoArgs) -> Result<InProcessAgent> {
-    // The settings the agents were trained with; min_pixels stays the model's processor's.
+    // The settings the agents were trained with; min_pixels stays the model's processor's. The action
+    // language is left to askgui.json (the model's or the adapter's), as askgui-eval and askgui-serve read it.
     let p = prompt_config(a);
     let prompt = PromptFlags {
         frame: Some(p.frame),
@@ -365,6 +374,70 @@ fn calibrate(
     Ok((summary, c))
 }
 
+/// The base training: a model from scratch (`model_config`, and the learned `tokenizer` if any), `--mode
+/// full`, on the full tasks of `data` with the demo's extra sample sets, in the demo's prompt layout.
+fn base_config(a: &DemoArgs, data: &Path, model_config: PathBuf, tokenizer: Option<PathBuf>) -> TrainConfig {
+    let mut base = TrainConfig::default();
+    base.model.init_config = Some(model_config);
+    base.model.init_tokenizer = tokenizer;
+    base.model.mode = Mode::Full;
+    base.data.data = Some(data.join("train.jsonl"));
+    base.data.task_mode = TaskMode::Full;
+    base.data.max_pixels = a.max_pixels;
+    base.data.system_prompt = SystemPrompt::Compact;
+    // The existing agent already speaks the language its LoRA is trained in (as UI-TARS-1.5 does).
+    base.data.action_language = a.action_language;
+    // The demo model's activations are small; recomputing each block would only cost time.
+    base.run.grad_checkpointing = false;
+    base.optim.lr = a.base_lr;
+    base.optim.max_steps = a.base_steps;
+    base.optim.batch_size = a.batch_size;
+    base.optim.grad_accum = 1;
+    // Both trainings pack: the demo's samples differ in length, so a padded batch is about a third padding.
+    base.optim.packing = !a.no_packing;
+    // A model this small keeps no core busy inside one kernel: the micro-batches run side by side instead,
+    // on the CPU (a GPU would gain nothing on it either).
+    base.model.device = DeviceKind::Cpu;
+    base.optim.micro_batch_threads = match a.micro_batch_threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(a.batch_size),
+        n => n,
+    };
+    base.optim.warmup_steps = Some((a.base_steps / 20).max(1));
+    base.optim.min_lr_ratio = 0.1;
+    base.run.output_dir = a.out.join("base");
+    base.run.seed = a.seed;
+    base.run.save_every = 0;
+    base.run.progress = !a.no_progress;
+    base.data.extra_task_modes = a.base_extra.clone();
+    base.data.region_weight = a.region_weight;
+    base.data.region_layer = a.region_layer;
+    base
+}
+
+/// The LoRA fine-tuning of `base_model` on the Navi-plus mix: `base`'s data, prompt and language, the
+/// demo's repeats and LoRA settings.
+fn lora_config(a: &DemoArgs, base: &TrainConfig, base_model: &Path) -> TrainConfig {
+    let mut lora = base.clone();
+    lora.model.init_config = None;
+    lora.model.init_tokenizer = None;
+    lora.model.model = Some(base_model.to_string_lossy().into_owned());
+    lora.model.mode = Mode::Lora;
+    lora.data.task_mode = TaskMode::Ambiguous;
+    lora.data.extra_task_modes = a.lora_extra.clone();
+    lora.data.region_weight = a.lora_region_weight;
+    lora.data.ask_repeat = a.ask_repeat;
+    lora.data.say_repeat = a.say_repeat;
+    lora.data.dialog_repeat = a.dialog_repeat;
+    lora.lora.lora_rank = a.lora_rank;
+    lora.lora.lora_alpha = 2.0 * a.lora_rank as f64;
+    lora.lora.lora_dropout = 0.0;
+    lora.optim.lr = a.lora_lr;
+    lora.optim.max_steps = a.lora_steps;
+    lora.optim.warmup_steps = Some((a.lora_steps / 20).max(1));
+    lora.run.output_dir = a.out.join("lora");
+    lora
+}
+
 /// Runs the demo; writes `report.json` and `report.md` into `a.out` and returns the report.
 pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     let started = Instant::now();
@@ -396,13 +469,13 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
 
     // 2. The tokenizer, learned on the training prompts.
     let t = Instant::now();
-    let mut base = TrainConfig::default();
     let mut vocab = 272;
+    let mut tokenizer = None;
     if a.vocab_size > 0 {
         let (json, v) = learn_tokenizer(&data.join("train.jsonl"), a)?;
         let path = a.out.join("tokenizer.json");
         std::fs::write(&path, json).map_err(io(&path))?;
-        base.model.init_tokenizer = Some(path);
+        tokenizer = Some(path);
         vocab = v;
         tracing::info!(vocab, "learned the demo's tokenizer");
     }
@@ -411,36 +484,7 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     // 3. The base agent from scratch on the full tasks (with grounding practice and the dialogues' words).
     let config = a.out.join("demo-config.json");
     std::fs::write(&config, demo_config(a, vocab)?).map_err(io(&config))?;
-    base.model.init_config = Some(config);
-    base.model.mode = Mode::Full;
-    base.data.data = Some(data.join("train.jsonl"));
-    base.data.task_mode = TaskMode::Full;
-    base.data.max_pixels = a.max_pixels;
-    base.data.system_prompt = SystemPrompt::Compact;
-    // The demo model's activations are small; recomputing each block would only cost time.
-    base.run.grad_checkpointing = false;
-    base.optim.lr = a.base_lr;
-    base.optim.max_steps = a.base_steps;
-    base.optim.batch_size = a.batch_size;
-    base.optim.grad_accum = 1;
-    // Both trainings pack: the demo's samples differ in length, so a padded batch is about a third padding.
-    base.optim.packing = !a.no_packing;
-    // A model this small keeps no core busy inside one kernel: the micro-batches run side by side instead,
-    // on the CPU (a GPU would gain nothing on it either).
-    base.model.device = DeviceKind::Cpu;
-    base.optim.micro_batch_threads = match a.micro_batch_threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(a.batch_size),
-        n => n,
-    };
-    base.optim.warmup_steps = Some((a.base_steps / 20).max(1));
-    base.optim.min_lr_ratio = 0.1;
-    base.run.output_dir = a.out.join("base");
-    base.run.seed = a.seed;
-    base.run.save_every = 0;
-    base.run.progress = !a.no_progress;
-    base.data.extra_task_modes = a.base_extra.clone();
-    base.data.region_weight = a.region_weight;
-    base.data.region_layer = a.region_layer;
+    let base = base_config(a, &data, config, tokenizer);
     let t = Instant::now();
     let summary = crate::train(&base, &RunControl::default())?;
     let base_model = summary.last_checkpoint.clone().ok_or_else(|| TrainError::Config("no base checkpoint".into()))?;
@@ -449,24 +493,7 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
 
     // 4. LoRA on the Navi-plus mix.
     let t = Instant::now();
-    let mut lora = base.clone();
-    lora.model.init_config = None;
-    lora.model.init_tokenizer = None;
-    lora.model.model = Some(base_model.to_string_lossy().into_owned());
-    lora.model.mode = Mode::Lora;
-    lora.data.task_mode = TaskMode::Ambiguous;
-    lora.data.extra_task_modes = a.lora_extra.clone();
-    lora.data.region_weight = a.lora_region_weight;
-    lora.data.ask_repeat = a.ask_repeat;
-    lora.data.say_repeat = a.say_repeat;
-    lora.data.dialog_repeat = a.dialog_repeat;
-    lora.lora.lora_rank = a.lora_rank;
-    lora.lora.lora_alpha = 2.0 * a.lora_rank as f64;
-    lora.lora.lora_dropout = 0.0;
-    lora.optim.lr = a.lora_lr;
-    lora.optim.max_steps = a.lora_steps;
-    lora.optim.warmup_steps = Some((a.lora_steps / 20).max(1));
-    lora.run.output_dir = a.out.join("lora");
+    let lora = lora_config(a, &base, &base_model);
     let lsum = crate::train(&lora, &RunControl::default())?;
     let adapter = lsum.last_checkpoint.clone().ok_or_else(|| TrainError::Config("no LoRA checkpoint".into()))?;
     let lora_final_loss = lsum.steps.last().map(|s| s.loss);
@@ -534,4 +561,71 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     };
     report::check_and_write(&mut report, &a.out)?;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use askgui_data::prompt::{step_messages, StepContext, COMPACT_SYSTEM_PROMPT};
+    use askgui_data::{Action, Target, Turn};
+    use clap::Parser;
+
+    use super::*;
+
+    fn args(flags: &[&str]) -> DemoArgs {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: DemoArgs,
+        }
+        Cli::try_parse_from(flags).unwrap_or_else(|e| panic!("{e}")).args
+    }
+
+    /// The chat text of a step whose history holds one click at (28, 56), in the demo's prompt layout.
+    fn step_text(a: &DemoArgs) -> String {
+        let p = prompt_config(a);
+        let history = [Turn::Agent { action: Action::Click(Target::point(28, 56)) }];
+        let ctx = StepContext {
+            task: "Order oat milk",
+            history: &history,
+            screenshots: vec!["s.png".into()],
+            elements: None,
+            frame: p.frame_map(168, 308).unwrap(),
+            system: p.system_prompt,
+            language: p.action_language,
+        };
+        render_chatml(&step_messages(&ctx).unwrap(), true).text
+    }
+
+    #[test]
+    fn the_action_language_reaches_both_trainings_and_the_prompt() {
+        let a = args(&["demo", "--action-language", "ui-tars", "--out", "d"]);
+        let base = base_config(&a, Path::new("d/data"), "d/demo-config.json".into(), None);
+        let lora = lora_config(&a, &base, Path::new("d/base/checkpoint-0002400"));
+        for (stage, c) in [("base", &base), ("lora", &lora)] {
+            assert_eq!((c.data.action_language, c.data.system_prompt), (ActionLanguage::UiTars, SystemPrompt::Compact));
+            c.validate().unwrap_or_else(|e| panic!("{stage}: {e}"));
+            let toml = c.to_toml();
+            assert!(toml.contains("action_language = \"ui-tars\""), "{stage}: the saved config.toml says it: {toml}");
+        }
+        assert_eq!((base.model.mode, lora.model.mode), (Mode::Full, Mode::Lora));
+        // The prompt: UI-TARS's compact line, and the history's click in UI-TARS's call. The 168x308 screen is
+        // within --max-pixels and on the 28-px grid, so the resized frame keeps its pixels: (28, 56).
+        let text = step_text(&a);
+        let compact = ActionLanguage::UiTars.system_prompt(SystemPrompt::Compact, FrameKind::Resized);
+        assert!(compact.contains("call_user") && text.contains(&compact), "{text}");
+        assert!(text.contains("click(start_box='(28,56)')") && !text.contains("\"action\""), "{text}");
+    }
+
+    #[test]
+    fn the_default_demo_keeps_askgui_json_and_its_compact_prompt() {
+        let a = args(&["demo"]);
+        let base = base_config(&a, Path::new("d/data"), "d/demo-config.json".into(), None);
+        assert_eq!(base.data.action_language, ActionLanguage::AskguiJson);
+        assert_eq!(prompt_config(&a).frame, FrameKind::Resized);
+        let text = step_text(&a);
+        assert!(
+            text.contains(COMPACT_SYSTEM_PROMPT) && text.contains("{\"action\":\"click\",\"x\":28,\"y\":56}"),
+            "{text}"
+        );
+    }
 }

@@ -3,7 +3,7 @@
 //! a toy run reaches none of the demo's targets, and the report must say so (`all_met` false). Both
 //! families the demo can build run: Qwen2.5-VL and Qwen3-VL.
 
-use askgui_data::TaskMode;
+use askgui_data::{ActionLanguage, TaskMode};
 use askgui_train::demo::{run, DemoArch, DemoArgs};
 
 #[test]
@@ -23,6 +23,7 @@ fn toy_demo(arch: DemoArch) -> anyhow::Result<()> {
     let args = DemoArgs {
         out: out.clone(),
         arch,
+        action_language: ActionLanguage::AskguiJson,
         episodes: 12,
         split: "8:1:3".into(),
         width: 160,

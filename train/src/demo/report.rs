@@ -197,7 +197,12 @@ fn frac(v: Option<f64>) -> String {
 pub fn markdown(r: &DemoReport) -> String {
     use std::fmt::Write;
     let mut s = String::from("# askgui-train demo\n\n");
-    let _ = writeln!(s, "Test episodes: {}.\n", r.test_episodes);
+    let _ = writeln!(
+        s,
+        "Test episodes: {}. Action language: {} (both trainings; askgui.json carries it to eval and serve).\n",
+        r.test_episodes,
+        r.args.action_language.name()
+    );
     let _ = writeln!(
         s,
         "| Setting | SSR | SR | SSR before / after | ASK precision | recall | FPR per step | F1 | FPR per task |\n\
