@@ -156,7 +156,7 @@ fn toy_demo(arch: DemoArch, language: ActionLanguage) -> anyhow::Result<()> {
         let text = std::fs::read_to_string(out.join(results))?;
         let raws: Vec<String> = text
             .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l))
+            .map(serde_json::from_str::<serde_json::Value>)
             .collect::<Result<Vec<_>, _>>()?
             .iter()
             .flat_map(|r| r["calls"].as_array().cloned().unwrap_or_default())
