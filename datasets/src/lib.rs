@@ -33,7 +33,7 @@ pub use episode::{
     load_episodes, read_episodes, write_episodes, Element, Episode, LoadedEpisode, Platform, Screen, Step, StepAsk,
 };
 pub use frame::{FrameKind, FrameMap, ResizeBounds};
-pub use language::{ActionLanguage, CompactPrompt, Inexpressible};
+pub use language::{ActionLanguage, Inexpressible};
 pub use parse::{parse_answer, ParseError, Parsed};
 pub use prompt::{
     episode_samples, render_chatml, step_messages, ChatMessage, Part, PromptConfig, Sample, SampleKind, SystemPrompt,

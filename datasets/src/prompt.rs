@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::action::{Action, Turn};
 use crate::episode::{Element, LoadedEpisode};
 use crate::frame::{FrameError, FrameKind, FrameMap, ResizeBounds};
-use crate::language::{ActionLanguage, CompactPrompt, Inexpressible};
+use crate::language::{ActionLanguage, Inexpressible};
 
 /// How prompts are built.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, clap::Args)]
@@ -61,8 +61,9 @@ pub struct PromptConfig {
 
 /// Which system prompt the agent is given. A model must be served with the one it was trained with.
 ///
-/// `Full` is [`system_prompt`], `Compact` is [`COMPACT_SYSTEM_PROMPT`]. The variants' doc comments are
-/// `--system-prompt`'s help; why `compact` exists is in docs/flags.md.
+/// In askgui JSON `Full` is [`system_prompt`] and `Compact` is [`COMPACT_SYSTEM_PROMPT`]; every action
+/// language has both ([`ActionLanguage::system_prompt`]). The variants' doc comments are `--system-prompt`'s
+/// help; why `compact` exists is in docs/flags.md.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum SystemPrompt {
@@ -73,7 +74,7 @@ pub enum SystemPrompt {
     Compact,
 }
 
-/// The [`SystemPrompt::Compact`] text.
+/// The [`SystemPrompt::Compact`] text of askgui JSON.
 pub const COMPACT_SYSTEM_PROMPT: &str =
     "GUI agent. Answer with the next action as JSON; ask when the task misses a detail.";
 
@@ -93,11 +94,6 @@ impl Default for PromptConfig {
 }
 
 impl PromptConfig {
-    /// Whether the options go together: the compact system prompt is askgui JSON's alone.
-    pub fn check(&self) -> Result<(), CompactPrompt> {
-        self.action_language.check_system_prompt(self.system_prompt)
-    }
-
     pub fn frame_map(&self, width: u32, height: u32) -> Result<FrameMap, FrameError> {
         FrameMap::new(
             self.frame,
@@ -301,8 +297,6 @@ pub const DESCRIBE_TASK: &str = "Read the screen";
 pub enum SampleError {
     #[error(transparent)]
     Frame(#[from] FrameError),
-    #[error(transparent)]
-    Compact(#[from] CompactPrompt),
     #[error("episode `{episode}` step {step}: {source}")]
     Inexpressible { episode: String, step: usize, source: Inexpressible },
 }
@@ -311,7 +305,6 @@ pub enum SampleError {
 /// the language's [`ActionLanguage::normal_form`] of the step's action, so that it is what parsing the
 /// target text gives back.
 pub fn episode_samples(ep: &LoadedEpisode, cfg: &PromptConfig, mode: TaskMode) -> Result<Vec<Sample>, SampleError> {
-    cfg.check()?;
     let language = cfg.action_language;
     let e = &ep.episode;
     let frame = cfg.frame_map(e.screen.width, e.screen.height)?;

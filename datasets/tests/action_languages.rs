@@ -337,13 +337,23 @@ fn samples_speak_the_language_in_the_prompt_history_and_target() {
 }
 
 #[test]
-fn the_compact_prompt_is_refused_in_a_language_other_than_json() {
+fn every_language_has_its_own_compact_prompt() {
     let ep = episode(vec![Click(Target::point(100, 200))]);
     let compact = askgui_data::PromptConfig { system_prompt: askgui_data::SystemPrompt::Compact, ..Default::default() };
-    assert!(askgui_data::episode_samples(&ep, &compact, askgui_data::TaskMode::Full).is_ok());
-    for lang in [ActionLanguage::UiTars, ActionLanguage::ToolCall] {
+    let mut prompts = Vec::new();
+    for lang in LANGUAGES {
         let cfg = askgui_data::PromptConfig { action_language: lang, ..compact.clone() };
-        let e = askgui_data::episode_samples(&ep, &cfg, askgui_data::TaskMode::Full).unwrap_err().to_string();
-        assert!(e.contains("--system-prompt compact") && e.contains(lang.name()), "{e}");
+        let s = askgui_data::episode_samples(&ep, &cfg, askgui_data::TaskMode::Full).unwrap();
+        let system = match &s[0].messages[0].content[0] {
+            askgui_data::Part::Text { text } => text.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(system, lang.system_prompt(askgui_data::SystemPrompt::Compact, cfg.frame));
+        // One line that names the language's ASK, shorter than the language's full prompt.
+        assert!(!system.contains('\n') && system.contains(lang.ask_name()), "{lang:?}: {system}");
+        assert!(system.len() < lang.system_prompt(askgui_data::SystemPrompt::Full, cfg.frame).len());
+        prompts.push(system);
     }
+    assert_eq!(prompts[0], askgui_data::prompt::COMPACT_SYSTEM_PROMPT, "askgui JSON's is today's");
+    assert!(prompts[1] != prompts[0] && prompts[2] != prompts[0] && prompts[1] != prompts[2]);
 }

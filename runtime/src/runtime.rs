@@ -58,7 +58,6 @@ impl Runtime {
     /// model's image processor's (set them with [`apply_image_bounds`] first), so the frame in the prompt
     /// is always the size of the image the model sees.
     pub fn new(model: &Qwen2Vl, prompt: PromptConfig) -> Result<Self> {
-        prompt.check().map_err(|e| RuntimeError::BadInput(e.to_string()))?;
         let tokenizer = model.tokenizer()?;
         let mut stop_tokens = model.eos_token_ids.clone();
         if let Some(id) = tokenizer.token_id(IM_END) {

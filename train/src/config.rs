@@ -550,9 +550,6 @@ impl TrainConfig {
         if self.data.data.is_none() {
             return bad("no training data: pass --data FILE.jsonl (or `data = ...` under [data] in --config)".into());
         }
-        if let Err(e) = self.data.action_language.check_system_prompt(self.data.system_prompt) {
-            return bad(e.to_string());
-        }
         if !(self.data.region_weight.is_finite() && self.data.region_weight >= 0.0) {
             return bad(format!("--region-weight is {}; it must be >= 0 (0: off)", self.data.region_weight));
         }
@@ -701,10 +698,10 @@ mod tests {
         assert!(e.contains("--prefetch 17") && e.contains("at most 16"), "{e}");
         let c = parse(&["--model", "m", "--data", "d", "--action-language", "ui-tars"]).unwrap();
         assert_eq!(c.data.action_language, ActionLanguage::UiTars);
-        let e = parse(&["--model", "m", "--data", "d", "--action-language", "tool-call", "--system-prompt", "compact"])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("--system-prompt compact") && e.contains("tool-call"), "{e}");
+        // Every language has a compact prompt.
+        let c = parse(&["--model", "m", "--data", "d", "--action-language", "tool-call", "--system-prompt", "compact"])
+            .unwrap();
+        assert_eq!((c.data.action_language, c.data.system_prompt), (ActionLanguage::ToolCall, SystemPrompt::Compact));
     }
 
     #[test]

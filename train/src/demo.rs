@@ -6,13 +6,14 @@
 //! Navi-plus mix; askgui-eval on the test split (base and LoRA+ASK agents; original, incomplete, blank-screen,
 //! standard, Dual-Stream and strict runs, each behind a [`MemoAgent`]); the LoRA agent's pause threshold
 //! calibrated on the validation split (askgui-eval calibrate) and written into its askgui.json, and its runs
-//! again with it; `report.json` ([`DemoReport`], stable keys) and `report.md`, with every target checked
-//! (calibrated and not) and none claimed. The targets are stated on the metrics
+//! again with it; `report.json` ([`DemoReport`], stable keys) and `report.md` (`demo/report.rs`), with every
+//! target checked (calibrated and not) and none claimed. The targets are stated on the metrics
 //! as the papers define them (askgui-eval's defaults, `eval/README.md`).
 //!
 //! The key choice: a model trained from scratch learns to pick an option by the task's words only with the
 //! region loss read from its first decoder layer, and keeps a question's tokens apart only with the dialogues'
-//! words in its base training. Both agents use the compact system prompt ([`SystemPrompt::Compact`]).
+//! words in its base training. Both agents use the compact system prompt ([`SystemPrompt::Compact`]), in
+//! `--action-language` (askgui JSON by default; both trainings and the evaluation speak it).
 //! What the demo measured, the probes behind these choices and the sweeps behind its defaults: `docs/demo.md`.
 
 use std::path::{Path, PathBuf};
@@ -21,12 +22,13 @@ use std::time::Instant;
 use askgui_data::agent_api::StepOptions;
 use askgui_data::synth::{synth, SynthArgs};
 use askgui_data::{
-    episode_samples, load_episodes, render_chatml, FrameKind, PromptConfig, PromptFlags, SystemPrompt, TaskMode,
+    episode_samples, load_episodes, render_chatml, ActionLanguage, FrameKind, PromptConfig, PromptFlags, SystemPrompt,
+    TaskMode,
 };
 use askgui_eval::backends::{InProcessAgent, MemoAgent};
 use askgui_eval::calibrate::Calibration;
 use askgui_eval::matching::MatchConfig;
-use askgui_eval::metrics::{ModeMetrics, NoContentScorer};
+use askgui_eval::metrics::NoContentScorer;
 use askgui_eval::modes::Mode as EvalMode;
 use askgui_eval::runner::{discard_results, load, run_eval, EvalConfig, RunOptions};
 use askgui_model::{DeviceKind, LoadOptions};
@@ -34,6 +36,10 @@ use serde::Serialize;
 
 use crate::config::{Mode, RunControl, TrainConfig};
 use crate::error::{io, Result, TrainError};
+
+mod report;
+
+pub use report::{checks, markdown, serve_command, CalibrationSummary, Check, DemoReport, Scores, PLAYGROUND_URL};
 
 /// The model family of the demo's agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -89,6 +95,10 @@ pub struct DemoArgs {
     /// on its 32-pixel grid, 160x320 unless --width/--height say otherwise, in relative 0-1000 coordinates).
     #[arg(long, value_enum, default_value_t = DemoArch::Qwen25Vl)]
     pub arch: DemoArch,
+    /// The action language of both trainings (askgui-train `--action-language`; `ui-tars`: UI-TARS-1.5's
+    /// calls in pixels of the resized screen); eval, calibration and serve read it from askgui.json.
+    #[arg(long, value_enum, default_value_t = ActionLanguage::AskguiJson)]
+    pub action_language: ActionLanguage,
     /// Synthetic episodes in all (split train:val:test by --split).
     #[arg(long, default_value_t = 3000)]
     pub episodes: usize,
@@ -189,156 +199,6 @@ pub struct DemoArgs {
     pub no_progress: bool,
 }
 
-/// SSR and SR of one evaluation (Navi-plus Appendix F: per-episode means), with the ASK numbers where the
-/// mode scores asks.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Scores {
-    pub ssr: Option<f64>,
-    pub sr: Option<f64>,
-    pub ssr_before: Option<f64>,
-    pub ssr_after: Option<f64>,
-    /// Right steps / steps over all episodes (not the papers' SSR).
-    pub ssr_pooled: Option<f64>,
-    pub steps: usize,
-    pub episodes: usize,
-    pub ask_precision: Option<f64>,
-    pub ask_recall: Option<f64>,
-    /// Per step: needless asks / steps that need none (Standard, Dual; none in Strict).
-    pub ask_fpr: Option<f64>,
-    /// Per task: tasks with a needless ask / tasks that need none.
-    pub ask_task_fpr: Option<f64>,
-    pub ask_f1: Option<f64>,
-}
-
-impl From<&ModeMetrics> for Scores {
-    fn from(m: &ModeMetrics) -> Self {
-        let a = m.ask.as_ref();
-        Self {
-            ssr: m.ssr,
-            sr: m.sr,
-            ssr_before: m.ssr_before,
-            ssr_after: m.ssr_after,
-            ssr_pooled: m.ssr_pooled,
-            steps: m.steps,
-            episodes: m.episodes,
-            ask_precision: a.and_then(|a| a.precision),
-            ask_recall: a.and_then(|a| a.recall),
-            ask_fpr: a.and_then(|a| a.fpr),
-            ask_task_fpr: m.task_fpr.as_ref().and_then(|t| t.rate),
-            ask_f1: a.and_then(|a| a.f1),
-        }
-    }
-}
-
-/// One of the demo's targets: the measured value, the bound, and whether it was met (None: a value was
-/// missing, so it is not met either).
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Check {
-    pub name: String,
-    pub value: Option<f64>,
-    pub bound: Option<f64>,
-    /// `>=` or `<=`.
-    pub op: &'static str,
-    pub met: bool,
-}
-
-/// What the calibration on the validation split chose and measured (askgui-eval calibrate).
-#[derive(Debug, Clone, Serialize)]
-pub struct CalibrationSummary {
-    pub threshold: f64,
-    pub target_fpr: f64,
-    /// Some threshold kept the validation FPR within `target_fpr`.
-    pub bound_met: bool,
-    pub val_episodes: usize,
-    /// On validation at `threshold`: +ASK per-step FPR and strict ASK F1.
-    pub val_fpr: Option<f64>,
-    pub val_strict_f1: Option<f64>,
-    /// Reliability of `ask_probability` on validation, before and after temperature scaling.
-    pub ece: Option<f64>,
-    pub brier: Option<f64>,
-    pub temperature: f64,
-    pub ece_scaled: Option<f64>,
-    pub brier_scaled: Option<f64>,
-    /// Where calibration.md, reliability.svg and pr_curve.svg are.
-    pub dir: PathBuf,
-    pub seconds: f64,
-}
-
-/// `report.json`. Keys are stable: scripts read them.
-#[derive(Debug, Clone, Serialize)]
-pub struct DemoReport {
-    /// Base agent, original tasks.
-    pub base_original: Scores,
-    /// Base agent, incomplete (ambiguous) tasks, no asking expected of it.
-    pub base_incomplete: Scores,
-    /// Base agent, original tasks, every screenshot replaced by a blank one of the same size.
-    pub base_blank_screen: Scores,
-    /// LoRA+ASK agent, original tasks.
-    pub lora_original: Scores,
-    /// LoRA+ASK agent, standard evaluation (+ASK).
-    pub lora_standard: Scores,
-    /// LoRA+ASK agent, Navi-plus Dual-Stream evaluation.
-    pub lora_dual: Scores,
-    /// LoRA+ASK agent, Morae strict task-level pausing.
-    pub lora_strict: Scores,
-    /// The LoRA+ASK agent with the calibrated pause threshold (as askgui-serve answers with its adapter):
-    /// original, standard, Dual-Stream and strict.
-    pub calibrated_original: Scores,
-    pub calibrated_standard: Scores,
-    pub calibrated_dual: Scores,
-    pub calibrated_strict: Scores,
-    pub calibration: CalibrationSummary,
-    /// The targets with the calibrated threshold (the adapter as served).
-    pub checks: Vec<Check>,
-    /// Every threshold met, calibrated.
-    pub all_met: bool,
-    /// The targets with the model's own ask decision (no threshold).
-    pub checks_uncalibrated: Vec<Check>,
-    pub all_met_uncalibrated: bool,
-    /// Seconds per stage, and in all.
-    pub timings_s: Vec<(String, f64)>,
-    pub total_s: f64,
-    pub train_final_loss: Option<f64>,
-    pub lora_final_loss: Option<f64>,
-    pub test_episodes: usize,
-    /// The base agent's model folder and the LoRA+ASK adapter (what to serve).
-    pub base_model: PathBuf,
-    pub adapter: PathBuf,
-    pub args: DemoArgs,
-}
-
-/// The demo's targets over a report's scores, with the LoRA agent's calibrated runs (`calibrated`) or
-/// its uncalibrated ones.
-pub fn checks(r: &DemoReport, calibrated: bool) -> Vec<Check> {
-    let mul = |a: Option<f64>, k: f64| a.map(|a| a * k);
-    let check = |name: &str, value: Option<f64>, op: &'static str, bound: Option<f64>| {
-        let met = match (value, bound) {
-            (Some(v), Some(b)) => {
-                if op == ">=" {
-                    v >= b
-                } else {
-                    v <= b
-                }
-            }
-            _ => false,
-        };
-        Check { name: name.into(), value, bound, op, met }
-    };
-    let (bo, bi) = (&r.base_original, &r.base_incomplete);
-    let (dual, strict) =
-        if calibrated { (&r.calibrated_dual, &r.calibrated_strict) } else { (&r.lora_dual, &r.lora_strict) };
-    vec![
-        check("base_original_ssr", bo.ssr, ">=", Some(0.80)),
-        check("base_incomplete_sr_vs_original", bi.sr, "<=", mul(bo.sr, 0.7)),
-        check("lora_dual_ssr_vs_base_original", dual.ssr, ">=", mul(bo.ssr, 0.95)),
-        check("lora_dual_sr_vs_base_original", dual.sr, ">=", mul(bo.sr, 0.9)),
-        check("lora_strict_ask_f1", strict.ask_f1, ">=", Some(0.8)),
-        // Navi-plus Table 1's regime: per-step ask FPR 0.055 (+ASK) and 0.004 (Dual-Stream).
-        check("lora_dual_ask_fpr", dual.ask_fpr, "<=", Some(0.05)),
-        check("blank_screen_ssr_vs_base_original", r.base_blank_screen.ssr, "<=", mul(bo.ssr, 0.5)),
-    ]
-}
-
 /// A copy of `episodes` (JSONL) whose every screenshot is a blank (white) image of the same size, written
 /// under `dir`; returns the new episode file.
 fn blank_episodes(episodes: &Path, dir: &Path) -> Result<PathBuf> {
@@ -378,12 +238,14 @@ fn head(episodes: &Path, n: usize, dir: &Path, name: &str) -> Result<PathBuf> {
     Ok(out)
 }
 
-/// The prompt layout of the demo's agents, in training and in evaluation.
+/// The prompt layout of the demo's agents, in training and in evaluation: the frame is the language's own
+/// (UI-TARS's resized pixels), else the family's, as askgui-train picks it.
 fn prompt_config(a: &DemoArgs) -> PromptConfig {
     PromptConfig {
-        frame: a.arch.frame(),
+        frame: a.action_language.native_frame().unwrap_or(a.arch.frame()),
         max_pixels: a.max_pixels,
         system_prompt: SystemPrompt::Compact,
+        action_language: a.action_language,
         ..PromptConfig::default()
     }
 }
@@ -426,7 +288,8 @@ fn demo_config(a: &DemoArgs, vocab: usize) -> Result<String> {
 /// The demo's in-process agent: `model` (with the adapter in `adapter` folded in) on the CPU, the prompt
 /// it was trained with, the server's decoding with `pause_threshold`.
 fn agent(model: &Path, adapter: Option<&Path>, pause_threshold: Option<f64>, a: &DemoArgs) -> Result<InProcessAgent> {
-    // The settings the agents were trained with; min_pixels stays the model's processor's.
+    // The settings the agents were trained with; min_pixels stays the model's processor's. The action
+    // language is left to askgui.json (the model's or the adapter's), as askgui-eval and askgui-serve read it.
     let p = prompt_config(a);
     let prompt = PromptFlags {
         frame: Some(p.frame),
@@ -511,6 +374,70 @@ fn calibrate(
     Ok((summary, c))
 }
 
+/// The base training: a model from scratch (`model_config`, and the learned `tokenizer` if any), `--mode
+/// full`, on the full tasks of `data` with the demo's extra sample sets, in the demo's prompt layout.
+fn base_config(a: &DemoArgs, data: &Path, model_config: PathBuf, tokenizer: Option<PathBuf>) -> TrainConfig {
+    let mut base = TrainConfig::default();
+    base.model.init_config = Some(model_config);
+    base.model.init_tokenizer = tokenizer;
+    base.model.mode = Mode::Full;
+    base.data.data = Some(data.join("train.jsonl"));
+    base.data.task_mode = TaskMode::Full;
+    base.data.max_pixels = a.max_pixels;
+    base.data.system_prompt = SystemPrompt::Compact;
+    // The existing agent already speaks the language its LoRA is trained in (as UI-TARS-1.5 does).
+    base.data.action_language = a.action_language;
+    // The demo model's activations are small; recomputing each block would only cost time.
+    base.run.grad_checkpointing = false;
+    base.optim.lr = a.base_lr;
+    base.optim.max_steps = a.base_steps;
+    base.optim.batch_size = a.batch_size;
+    base.optim.grad_accum = 1;
+    // Both trainings pack: the demo's samples differ in length, so a padded batch is about a third padding.
+    base.optim.packing = !a.no_packing;
+    // A model this small keeps no core busy inside one kernel: the micro-batches run side by side instead,
+    // on the CPU (a GPU would gain nothing on it either).
+    base.model.device = DeviceKind::Cpu;
+    base.optim.micro_batch_threads = match a.micro_batch_threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(a.batch_size),
+        n => n,
+    };
+    base.optim.warmup_steps = Some((a.base_steps / 20).max(1));
+    base.optim.min_lr_ratio = 0.1;
+    base.run.output_dir = a.out.join("base");
+    base.run.seed = a.seed;
+    base.run.save_every = 0;
+    base.run.progress = !a.no_progress;
+    base.data.extra_task_modes = a.base_extra.clone();
+    base.data.region_weight = a.region_weight;
+    base.data.region_layer = a.region_layer;
+    base
+}
+
+/// The LoRA fine-tuning of `base_model` on the Navi-plus mix: `base`'s data, prompt and language, the
+/// demo's repeats and LoRA settings.
+fn lora_config(a: &DemoArgs, base: &TrainConfig, base_model: &Path) -> TrainConfig {
+    let mut lora = base.clone();
+    lora.model.init_config = None;
+    lora.model.init_tokenizer = None;
+    lora.model.model = Some(base_model.to_string_lossy().into_owned());
+    lora.model.mode = Mode::Lora;
+    lora.data.task_mode = TaskMode::Ambiguous;
+    lora.data.extra_task_modes = a.lora_extra.clone();
+    lora.data.region_weight = a.lora_region_weight;
+    lora.data.ask_repeat = a.ask_repeat;
+    lora.data.say_repeat = a.say_repeat;
+    lora.data.dialog_repeat = a.dialog_repeat;
+    lora.lora.lora_rank = a.lora_rank;
+    lora.lora.lora_alpha = 2.0 * a.lora_rank as f64;
+    lora.lora.lora_dropout = 0.0;
+    lora.optim.lr = a.lora_lr;
+    lora.optim.max_steps = a.lora_steps;
+    lora.optim.warmup_steps = Some((a.lora_steps / 20).max(1));
+    lora.run.output_dir = a.out.join("lora");
+    lora
+}
+
 /// Runs the demo; writes `report.json` and `report.md` into `a.out` and returns the report.
 pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     let started = Instant::now();
@@ -542,13 +469,13 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
 
     // 2. The tokenizer, learned on the training prompts.
     let t = Instant::now();
-    let mut base = TrainConfig::default();
     let mut vocab = 272;
+    let mut tokenizer = None;
     if a.vocab_size > 0 {
         let (json, v) = learn_tokenizer(&data.join("train.jsonl"), a)?;
         let path = a.out.join("tokenizer.json");
         std::fs::write(&path, json).map_err(io(&path))?;
-        base.model.init_tokenizer = Some(path);
+        tokenizer = Some(path);
         vocab = v;
         tracing::info!(vocab, "learned the demo's tokenizer");
     }
@@ -557,36 +484,7 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
     // 3. The base agent from scratch on the full tasks (with grounding practice and the dialogues' words).
     let config = a.out.join("demo-config.json");
     std::fs::write(&config, demo_config(a, vocab)?).map_err(io(&config))?;
-    base.model.init_config = Some(config);
-    base.model.mode = Mode::Full;
-    base.data.data = Some(data.join("train.jsonl"));
-    base.data.task_mode = TaskMode::Full;
-    base.data.max_pixels = a.max_pixels;
-    base.data.system_prompt = SystemPrompt::Compact;
-    // The demo model's activations are small; recomputing each block would only cost time.
-    base.run.grad_checkpointing = false;
-    base.optim.lr = a.base_lr;
-    base.optim.max_steps = a.base_steps;
-    base.optim.batch_size = a.batch_size;
-    base.optim.grad_accum = 1;
-    // Both trainings pack: the demo's samples differ in length, so a padded batch is about a third padding.
-    base.optim.packing = !a.no_packing;
-    // A model this small keeps no core busy inside one kernel: the micro-batches run side by side instead,
-    // on the CPU (a GPU would gain nothing on it either).
-    base.model.device = DeviceKind::Cpu;
-    base.optim.micro_batch_threads = match a.micro_batch_threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(a.batch_size),
-        n => n,
-    };
-    base.optim.warmup_steps = Some((a.base_steps / 20).max(1));
-    base.optim.min_lr_ratio = 0.1;
-    base.run.output_dir = a.out.join("base");
-    base.run.seed = a.seed;
-    base.run.save_every = 0;
-    base.run.progress = !a.no_progress;
-    base.data.extra_task_modes = a.base_extra.clone();
-    base.data.region_weight = a.region_weight;
-    base.data.region_layer = a.region_layer;
+    let base = base_config(a, &data, config, tokenizer);
     let t = Instant::now();
     let summary = crate::train(&base, &RunControl::default())?;
     let base_model = summary.last_checkpoint.clone().ok_or_else(|| TrainError::Config("no base checkpoint".into()))?;
@@ -595,24 +493,7 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
 
     // 4. LoRA on the Navi-plus mix.
     let t = Instant::now();
-    let mut lora = base.clone();
-    lora.model.init_config = None;
-    lora.model.init_tokenizer = None;
-    lora.model.model = Some(base_model.to_string_lossy().into_owned());
-    lora.model.mode = Mode::Lora;
-    lora.data.task_mode = TaskMode::Ambiguous;
-    lora.data.extra_task_modes = a.lora_extra.clone();
-    lora.data.region_weight = a.lora_region_weight;
-    lora.data.ask_repeat = a.ask_repeat;
-    lora.data.say_repeat = a.say_repeat;
-    lora.data.dialog_repeat = a.dialog_repeat;
-    lora.lora.lora_rank = a.lora_rank;
-    lora.lora.lora_alpha = 2.0 * a.lora_rank as f64;
-    lora.lora.lora_dropout = 0.0;
-    lora.optim.lr = a.lora_lr;
-    lora.optim.max_steps = a.lora_steps;
-    lora.optim.warmup_steps = Some((a.lora_steps / 20).max(1));
-    lora.run.output_dir = a.out.join("lora");
+    let lora = lora_config(a, &base, &base_model);
     let lsum = crate::train(&lora, &RunControl::default())?;
     let adapter = lsum.last_checkpoint.clone().ok_or_else(|| TrainError::Config("no LoRA checkpoint".into()))?;
     let lora_final_loss = lsum.steps.last().map(|s| s.loss);
@@ -678,130 +559,73 @@ pub fn run(a: &DemoArgs) -> Result<DemoReport> {
         adapter: adapter.clone(),
         args: a.clone(),
     };
-    report.checks = checks(&report, true);
-    report.all_met = report.checks.iter().all(|c| c.met);
-    report.checks_uncalibrated = checks(&report, false);
-    report.all_met_uncalibrated = report.checks_uncalibrated.iter().all(|c| c.met);
-    let json = a.out.join("report.json");
-    std::fs::write(&json, serde_json::to_string_pretty(&report).expect("report serialises")).map_err(io(&json))?;
-    let md = a.out.join("report.md");
-    std::fs::write(&md, markdown(&report)).map_err(io(&md))?;
+    report::check_and_write(&mut report, &a.out)?;
     Ok(report)
 }
 
-/// Where askgui-serve's playground page is with its default `--host` and `--port`.
-pub const PLAYGROUND_URL: &str = "http://127.0.0.1:8000/";
+#[cfg(test)]
+mod tests {
+    use askgui_data::prompt::{step_messages, StepContext, COMPACT_SYSTEM_PROMPT};
+    use askgui_data::{Action, Target, Turn};
+    use clap::Parser;
 
-/// How to serve the demo's LoRA+ASK agent (the model was trained with the compact system prompt).
-pub fn serve_command(r: &DemoReport) -> String {
-    format!(
-        "askgui-serve --model {} --adapter ask={} --system-prompt compact",
-        r.base_model.display(),
-        r.adapter.display()
-    )
-}
+    use super::*;
 
-fn pct(v: Option<f64>) -> String {
-    v.map(|v| format!("{:.1}", 100.0 * v)).unwrap_or_else(|| "–".into())
-}
+    fn args(flags: &[&str]) -> DemoArgs {
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: DemoArgs,
+        }
+        Cli::try_parse_from(flags).unwrap_or_else(|e| panic!("{e}")).args
+    }
 
-fn frac(v: Option<f64>) -> String {
-    v.map(|v| format!("{v:.3}")).unwrap_or_else(|| "–".into())
-}
+    /// The chat text of a step whose history holds one click at (28, 56), in the demo's prompt layout.
+    fn step_text(a: &DemoArgs) -> String {
+        let p = prompt_config(a);
+        let history = [Turn::Agent { action: Action::Click(Target::point(28, 56)) }];
+        let ctx = StepContext {
+            task: "Order oat milk",
+            history: &history,
+            screenshots: vec!["s.png".into()],
+            elements: None,
+            frame: p.frame_map(168, 308).unwrap(),
+            system: p.system_prompt,
+            language: p.action_language,
+        };
+        render_chatml(&step_messages(&ctx).unwrap(), true).text
+    }
 
-/// `report.md`: Navi-plus Table 1 for the demo's agents, the blank-screen control, the checks, timings.
-pub fn markdown(r: &DemoReport) -> String {
-    use std::fmt::Write;
-    let mut s = String::from("# askgui-train demo\n\n");
-    let _ = writeln!(s, "Test episodes: {}.\n", r.test_episodes);
-    let _ = writeln!(
-        s,
-        "| Setting | SSR | SR | SSR before / after | ASK precision | recall | FPR per step | F1 | FPR per task |\n\
-         |---|---|---|---|---|---|---|---|---|"
-    );
-    for (label, x) in [
-        ("base, original task", &r.base_original),
-        ("base, incomplete task", &r.base_incomplete),
-        ("LoRA +ASK (standard)", &r.lora_standard),
-        ("LoRA +ASK, Dual-Stream eval", &r.lora_dual),
-        ("LoRA +ASK, strict (Morae)", &r.lora_strict),
-        ("LoRA +ASK, original task", &r.lora_original),
-        ("LoRA +ASK calibrated (standard)", &r.calibrated_standard),
-        ("LoRA +ASK calibrated, Dual-Stream eval", &r.calibrated_dual),
-        ("LoRA +ASK calibrated, strict (Morae)", &r.calibrated_strict),
-        ("LoRA +ASK calibrated, original task", &r.calibrated_original),
-        ("base, original task, blank screens", &r.base_blank_screen),
-    ] {
-        let _ = writeln!(
-            s,
-            "| {label} | {} | {} | {} / {} | {} | {} | {} | {} | {} |",
-            pct(x.ssr),
-            pct(x.sr),
-            pct(x.ssr_before),
-            pct(x.ssr_after),
-            frac(x.ask_precision),
-            frac(x.ask_recall),
-            frac(x.ask_fpr),
-            frac(x.ask_f1),
-            frac(x.ask_task_fpr)
+    #[test]
+    fn the_action_language_reaches_both_trainings_and_the_prompt() {
+        let a = args(&["demo", "--action-language", "ui-tars", "--out", "d"]);
+        let base = base_config(&a, Path::new("d/data"), "d/demo-config.json".into(), None);
+        let lora = lora_config(&a, &base, Path::new("d/base/checkpoint-0002400"));
+        for (stage, c) in [("base", &base), ("lora", &lora)] {
+            assert_eq!((c.data.action_language, c.data.system_prompt), (ActionLanguage::UiTars, SystemPrompt::Compact));
+            c.validate().unwrap_or_else(|e| panic!("{stage}: {e}"));
+            let toml = c.to_toml();
+            assert!(toml.contains("action_language = \"ui-tars\""), "{stage}: the saved config.toml says it: {toml}");
+        }
+        assert_eq!((base.model.mode, lora.model.mode), (Mode::Full, Mode::Lora));
+        // The prompt: UI-TARS's compact line, and the history's click in UI-TARS's call. The 168x308 screen is
+        // within --max-pixels and on the 28-px grid, so the resized frame keeps its pixels: (28, 56).
+        let text = step_text(&a);
+        let compact = ActionLanguage::UiTars.system_prompt(SystemPrompt::Compact, FrameKind::Resized);
+        assert!(compact.contains("call_user") && text.contains(&compact), "{text}");
+        assert!(text.contains("click(start_box='(28,56)')") && !text.contains("\"action\""), "{text}");
+    }
+
+    #[test]
+    fn the_default_demo_keeps_askgui_json_and_its_compact_prompt() {
+        let a = args(&["demo"]);
+        let base = base_config(&a, Path::new("d/data"), "d/demo-config.json".into(), None);
+        assert_eq!(base.data.action_language, ActionLanguage::AskguiJson);
+        assert_eq!(prompt_config(&a).frame, FrameKind::Resized);
+        let text = step_text(&a);
+        assert!(
+            text.contains(COMPACT_SYSTEM_PROMPT) && text.contains("{\"action\":\"click\",\"x\":28,\"y\":56}"),
+            "{text}"
         );
     }
-    let _ = writeln!(
-        s,
-        "\nSSR and SSR before/after: per-episode means (Navi-plus Appendix F), in %; strict: Morae's task \
-         success, precision, recall and F1 per task (eval/README.md)."
-    );
-    let c = &r.calibration;
-    let _ = writeln!(
-        s,
-        "\nCalibrated pause threshold: {:.4}, chosen on {} validation episodes for the best strict ASK F1 \
-         ({}) within a per-step ask FPR of {} ({}; bound met: {}). ask_probability on validation: ECE {}, \
-         Brier {}; after temperature scaling (T = {:.3}) ECE {}, Brier {}. Plots: {}.",
-        c.threshold,
-        c.val_episodes,
-        frac(c.val_strict_f1),
-        c.target_fpr,
-        frac(c.val_fpr),
-        c.bound_met,
-        frac(c.ece),
-        frac(c.brier),
-        c.temperature,
-        frac(c.ece_scaled),
-        frac(c.brier_scaled),
-        c.dir.display()
-    );
-    let _ = writeln!(
-        s,
-        "\n| Check | value calibrated | met | value uncalibrated | met | target |\n|---|---|---|---|---|---|"
-    );
-    for (c, u) in r.checks.iter().zip(&r.checks_uncalibrated) {
-        let _ = writeln!(
-            s,
-            "| {} | {} | {} | {} | {} | {} {} |",
-            c.name,
-            frac(c.value),
-            c.met,
-            frac(u.value),
-            u.met,
-            c.op,
-            frac(c.bound)
-        );
-    }
-    let _ = writeln!(
-        s,
-        "\nAll targets met: {} calibrated, {} uncalibrated.\n\n| Stage | seconds |\n|---|---|",
-        r.all_met, r.all_met_uncalibrated
-    );
-    for (n, t) in &r.timings_s {
-        let _ = writeln!(s, "| {n} | {t:.1} |");
-    }
-    let _ = writeln!(s, "| total | {:.1} |", r.total_s);
-    let _ = writeln!(
-        s,
-        "\nServe the LoRA+ASK agent (requests pick the adapter `ask`; its askgui.json holds the calibrated \
-         pause threshold):\n\n    {}\n\nthen open {PLAYGROUND_URL} and pick a synthetic screen: the playground \
-         answers with `ask`, the server's only adapter.",
-        serve_command(r)
-    );
-    s
 }

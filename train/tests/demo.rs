@@ -3,26 +3,34 @@
 //! a toy run reaches none of the demo's targets, and the report must say so (`all_met` false). Both
 //! families the demo can build run: Qwen2.5-VL and Qwen3-VL.
 
-use askgui_data::TaskMode;
+use askgui_data::{ActionLanguage, TaskMode};
 use askgui_train::demo::{run, DemoArch, DemoArgs};
 
 #[test]
 fn toy_demo_writes_every_report_key() -> anyhow::Result<()> {
-    toy_demo(DemoArch::Qwen25Vl)
+    toy_demo(DemoArch::Qwen25Vl, ActionLanguage::AskguiJson)
 }
 
 /// `--arch qwen3_vl`: the same run with the Qwen3-VL agent, its screens on the 32-pixel grid.
 #[test]
 fn toy_demo_builds_a_qwen3_vl_agent() -> anyhow::Result<()> {
-    toy_demo(DemoArch::Qwen3Vl)
+    toy_demo(DemoArch::Qwen3Vl, ActionLanguage::AskguiJson)
 }
 
-fn toy_demo(arch: DemoArch) -> anyhow::Result<()> {
-    let out = std::env::temp_dir().join(format!("askgui-demo-toy-{arch:?}-{}", std::process::id()));
+/// `--action-language ui-tars`: both models' askgui.json say so, and the evaluation, which reads it there,
+/// sends UI-TARS prompts and reads UI-TARS answers.
+#[test]
+fn toy_demo_speaks_ui_tars() -> anyhow::Result<()> {
+    toy_demo(DemoArch::Qwen25Vl, ActionLanguage::UiTars)
+}
+
+fn toy_demo(arch: DemoArch, language: ActionLanguage) -> anyhow::Result<()> {
+    let out = std::env::temp_dir().join(format!("askgui-demo-toy-{arch:?}-{language:?}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let args = DemoArgs {
         out: out.clone(),
         arch,
+        action_language: language,
         episodes: 12,
         split: "8:1:3".into(),
         width: 160,
@@ -138,6 +146,27 @@ fn toy_demo(arch: DemoArch) -> anyhow::Result<()> {
         DemoArch::Qwen3Vl => "qwen3_vl",
     };
     assert!(config.contains(&format!("\"model_type\": \"{model_type}\"")), "{config}");
+    for dir in [&report.base_model, &report.adapter] {
+        let card = askgui_data::AdapterCard::read(dir)?.expect("askgui.json");
+        assert_eq!(card.prompt.action_language, language, "{}", dir.display());
+    }
+    // Every answer of the evaluation starts with the language's forced prefix (the base agent's and the
+    // LoRA agent's, each given its folder's askgui.json).
+    for results in ["eval/base/results-original.jsonl", "eval/lora/results-standard.jsonl"] {
+        let text = std::fs::read_to_string(out.join(results))?;
+        let raws: Vec<String> = text
+            .lines()
+            .map(serde_json::from_str::<serde_json::Value>)
+            .collect::<Result<Vec<_>, _>>()?
+            .iter()
+            .flat_map(|r| r["calls"].as_array().cloned().unwrap_or_default())
+            .map(|c| c["raw"].as_str().unwrap_or_default().to_string())
+            .collect();
+        assert!(!raws.is_empty(), "{results}");
+        for raw in raws {
+            assert!(raw.starts_with(language.answer_prefix()), "{results}: {raw}");
+        }
+    }
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }

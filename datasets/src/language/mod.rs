@@ -57,17 +57,6 @@ pub struct Inexpressible {
     pub reason: String,
 }
 
-/// `--system-prompt compact` with a language other than askgui JSON: the one-line prompt tells the model
-/// to answer in JSON, so it would teach the wrong language.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[error(
-    "--system-prompt compact is askgui JSON's one-line prompt; the {language} action language has its own \
-     full prompt only: drop --system-prompt compact (or give --system-prompt full), or use --action-language askgui"
-)]
-pub struct CompactPrompt {
-    pub language: &'static str,
-}
-
 impl ActionLanguage {
     /// The language's flag value (`askgui`, `ui-tars`, `tool-call`).
     pub fn name(self) -> &'static str {
@@ -88,22 +77,16 @@ impl ActionLanguage {
         }
     }
 
-    /// The compact system prompt is askgui JSON's alone ([`CompactPrompt`]).
-    pub fn check_system_prompt(self, system: SystemPrompt) -> Result<(), CompactPrompt> {
-        match (self, system) {
-            (ActionLanguage::AskguiJson, _) | (_, SystemPrompt::Full) => Ok(()),
-            (_, SystemPrompt::Compact) => Err(CompactPrompt { language: self.name() }),
-        }
-    }
-
-    /// The system message: the action space as the language writes it, when to ask, and the frame.
-    /// `system` picks askgui's full or compact prompt; the other languages have one prompt each (a
-    /// compact one is refused before a prompt is built: [`Self::check_system_prompt`]).
+    /// The system message: the action space as the language writes it, when to ask, and the frame
+    /// (`Full`); or one line naming the action space and the ASK (`Compact`, for small models trained
+    /// from scratch).
     pub fn system_prompt(self, system: SystemPrompt, frame: FrameKind) -> String {
-        match self {
-            ActionLanguage::AskguiJson => system.text(frame),
-            ActionLanguage::UiTars => ui_tars::system_prompt(frame),
-            ActionLanguage::ToolCall => tool_call::system_prompt(frame),
+        match (self, system) {
+            (ActionLanguage::AskguiJson, _) => system.text(frame),
+            (ActionLanguage::UiTars, SystemPrompt::Full) => ui_tars::system_prompt(frame),
+            (ActionLanguage::UiTars, SystemPrompt::Compact) => ui_tars::compact_system_prompt(),
+            (ActionLanguage::ToolCall, SystemPrompt::Full) => tool_call::system_prompt(frame),
+            (ActionLanguage::ToolCall, SystemPrompt::Compact) => tool_call::compact_system_prompt(),
         }
     }
 

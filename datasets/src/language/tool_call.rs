@@ -67,6 +67,16 @@ For each function call, return a json object with function name and arguments wi
     )
 }
 
+/// The compact system message: one line naming the tool, its actions and the ASK, as askgui JSON's compact
+/// prompt does for JSON (the arguments are learned from the targets).
+pub fn compact_system_prompt() -> String {
+    format!(
+        "GUI agent. Answer with the next action as a <tool_call> of {TOOL_NAME}, action one of {}; \
+         ask_user_question when the task misses a detail.",
+        TOOL_ACTIONS.join(", ")
+    )
+}
+
 /// serde_json's compact output with Python `json.dumps`'s separators.
 struct PySeparators;
 
@@ -329,6 +339,18 @@ mod tests {
             .collect();
         assert_eq!(listed, TOOL_ACTIONS);
         assert!(prompt.contains("0..1000"), "the frame is said");
+    }
+
+    #[test]
+    fn the_compact_prompt_is_one_line_naming_the_tool_and_every_action() {
+        let compact = compact_system_prompt();
+        assert!(!compact.contains('\n'), "{compact}");
+        assert!(compact.contains("<tool_call> of computer_use"), "the answer's form: {compact}");
+        let listed: Vec<&str> =
+            compact.split(" one of ").nth(1).unwrap().split(';').next().unwrap().split(", ").collect();
+        assert_eq!(listed, TOOL_ACTIONS);
+        assert!(compact.ends_with("ask_user_question when the task misses a detail."), "{compact}");
+        assert!(compact.len() * 4 < system_prompt(FrameKind::Relative1000).len(), "a fraction of the full prompt");
     }
 
     #[test]

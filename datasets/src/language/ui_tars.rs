@@ -90,6 +90,15 @@ call_user(content='question', options='[{{\"label\":\"option\"}}]', kind='select
     )
 }
 
+/// The compact system message: one line naming the functions and the ASK, as askgui JSON's compact prompt
+/// does for JSON (the arguments are learned from the targets).
+pub fn compact_system_prompt() -> String {
+    format!(
+        "GUI agent. Answer with the next action as `Action: f(...)`, f one of {}; call_user when the task misses a detail.",
+        UI_TARS_ACTIONS.join(", ")
+    )
+}
+
 /// `name(key='value', ...)` with each value a Python string literal.
 fn call(name: &str, args: &[(&str, String)]) -> String {
     let args: Vec<String> = args.iter().map(|(k, v)| format!("{k}='{}'", py_escape(v))).collect();
@@ -513,6 +522,19 @@ mod tests {
         for c in ["'", "\\", "\n"] {
             assert!(prompt.contains(&format!(" {} for a", py_escape(c))), "{c:?} -> {}", py_escape(c));
         }
+    }
+
+    #[test]
+    fn the_compact_prompt_is_one_line_naming_every_function() {
+        let compact = compact_system_prompt();
+        assert!(!compact.contains('\n'), "{compact}");
+        assert!(compact.contains("`Action: f(...)`"), "the answer's form: {compact}");
+        // The list, read back word by word, is the parser's functions in order.
+        let listed: Vec<&str> =
+            compact.split(" one of ").nth(1).unwrap().split(';').next().unwrap().split(", ").collect();
+        assert_eq!(listed, UI_TARS_ACTIONS);
+        assert!(compact.ends_with("call_user when the task misses a detail."), "{compact}");
+        assert!(compact.len() * 4 < system_prompt(FrameKind::Resized).len(), "a fraction of the full prompt");
     }
 
     #[test]

@@ -111,7 +111,6 @@ impl OpenAiAgent {
                 cfg.base
             )));
         }
-        cfg.prompt.check().map_err(|e| AgentError::Input(e.to_string()))?;
         let url = format!("{base}/chat/completions");
         let http = ureq::AgentBuilder::new().timeout(Duration::from_secs_f64(cfg.timeout_s)).build();
         Ok(Self { cfg, url, http })
