@@ -12,6 +12,7 @@
 //! required keys and brackets are always written, so a constrained answer can exceed it by those. Without `constrain` the model writes the rest freely and an answer
 //! that does not parse is an error.
 
+use askgui_data::language::py_escape;
 use askgui_data::ActionLanguage;
 
 use crate::decoding::Decoding;
@@ -32,6 +33,13 @@ pub(crate) struct Schema<'a> {
     pub(crate) elements: &'a [String],
     /// Whether the prompt shows a screenshot (without one, click-like actions target elements).
     pub(crate) screenshot: bool,
+}
+
+/// Whether the inside `s` of a UI-TARS string, with more to come, holds nothing that `py_escape` escapes
+/// (quotes and backslashes are never string tokens; whitespace at the end may still be followed).
+fn says_no_syntax(s: &str) -> bool {
+    let body = s.trim_end();
+    body.is_empty() && s.is_empty() || (!body.is_empty() && py_escape(body) == body)
 }
 
 /// `s` as the inside of a JSON string.
@@ -95,22 +103,38 @@ impl Runtime {
         }
     }
 
-    /// Decodes the inside of a JSON string: tokens safe in a string until the model prefers to close it
-    /// (a token that starts with a quote is more likely than any string token) or the budget ends.
+    /// Decodes the inside of a string: tokens safe in a string until the model prefers to close it (a
+    /// token that starts with a quote is more likely than any string token) or the budget ends. In UI-TARS
+    /// a token is also refused where the string would then hold what `@ui-tars/action-parser` reads as
+    /// syntax (`Action:`, `point=`, `<|box_`, `<point>`, a leading space: what [`py_escape`] escapes, and
+    /// the decoder writes no escapes), and a string ending in whitespace is not closed while the budget
+    /// lasts (that parser trims it).
     pub(crate) fn string(&self, dec: &mut Decoding, text: &mut String) -> Result<()> {
-        let mut n = 0;
+        let (start, mut n) = (text.len(), 0);
+        let tars = self.prompt.action_language == ActionLanguage::UiTars;
         // At least one token: the schema has no empty strings (an `ask` needs a question).
         while n == 0 || dec.generated < dec.budget {
             dec.check()?;
             self.settle(dec, text, "")?;
+            let mut banned: Vec<u32> = Vec::new();
+            let allowed = |i: usize, banned: &[u32]| self.string_token[i] && !banned.contains(&(i as u32));
+            let picked = loop {
+                let Some((tok, v)) = best(&dec.seq.logits, |i| allowed(i, &banned)) else { break None };
+                let tok = if dec.temperature > 0.0 { dec.sample(|i| allowed(i, &banned)) } else { tok };
+                let piece = self.tokenizer.decode(&[tok], false)?;
+                if !tars || says_no_syntax(&format!("{}{piece}", &text[start..])) {
+                    break Some((tok, v, piece));
+                }
+                banned.push(tok);
+            };
+            let Some((_, v, piece)) = picked else { break };
             let logits = &dec.seq.logits;
-            let Some((tok, v)) = best(logits, |i| self.string_token[i]) else { break };
             let close_v = self.closing_tokens.iter().map(|&c| logits[c as usize]).fold(f32::NEG_INFINITY, f32::max);
-            if n > 0 && close_v > v {
+            let open_end = tars && text[start..].ends_with(char::is_whitespace);
+            if n > 0 && close_v > v && !open_end {
                 break;
             }
-            let tok = if dec.temperature > 0.0 { dec.sample(|i| self.string_token[i]) } else { tok };
-            text.push_str(&self.tokenizer.decode(&[tok], false)?);
+            text.push_str(&piece);
             dec.generated += 1;
             n += 1;
         }

@@ -344,3 +344,49 @@ fn every_action_kind_of_every_language_is_written_as_steered_and_parses_back() {
         assert!(got.points().iter().all(|&(x, y)| x < w as i32 && y < h as i32), "{language:?}: {}", out.raw);
     }
 }
+
+/// A UI-TARS string never holds what the official parser reads as syntax: steered to ask "Which Action:
+/// size?" or to type with a leading space, the decoder leaves the colon (and the space) out, the answer
+/// still parses, and (when `ASKGUI_UI_TARS_NODE_MODULES` names it) `@ui-tars/action-parser` reads it as
+/// askgui does. Before, such a question ended the answer for both parsers at the inner `Action:`.
+#[test]
+fn ui_tars_strings_never_hold_the_parsers_syntax() {
+    use askgui_data::{ActionLanguage, Ask};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny-qwen2_5_vl");
+    let model = Qwen2Vl::load(&dir.display().to_string(), &Device::Cpu, DType::F32).unwrap();
+    let language = ActionLanguage::UiTars;
+    let prompt =
+        PromptConfig { action_language: language, frame: language.native_frame().unwrap(), ..PromptConfig::default() };
+    let rt = Runtime::new(&model, prompt).unwrap().with_prefix_cache(0);
+    let texts: Vec<String> =
+        (0..model.cfg.text.vocab_size as u32).map(|t| rt.tokenizer().decode(&[t], false).unwrap_or_default()).collect();
+    let shots = [screenshot(112, 84)];
+    let step = Step { task: "Buy oat milk", history: &[], screenshots: &shots, elements: None, screen: None };
+    let opts = StepOptions { max_tokens: Some(48), ..StepOptions::default() };
+    let mut written = Vec::new();
+    for steered in [
+        "Action: call_user(content='Which Action: size?')",
+        "Action: call_user(content='Show the <point> and point=3')",
+        "Action: type(content=' oat milk')",
+    ] {
+        let out = rt.step(&Steer::new(&texts, steered), &step, &opts, &|| false).unwrap();
+        let (_, got) = out.parsed.unwrap_or_else(|e| panic!("{steered}: {e}: {}", out.raw));
+        let said = match &got {
+            Action::Ask(Ask { question, .. }) => question.clone(),
+            Action::Type { text } => text.clone(),
+            other => panic!("{steered}: {other:?}"),
+        };
+        for syntax in ["Action:", "point=", "<point>"] {
+            assert!(!said.contains(syntax), "{steered}: the string holds {syntax}: {}", out.raw);
+        }
+        assert!(!said.starts_with(char::is_whitespace), "{steered}: a leading space: {}", out.raw);
+        assert_eq!(language.render(&got).unwrap(), out.raw, "{steered}: written as askgui renders it");
+        written.push((out.raw, got));
+    }
+    let raws: Vec<String> = written.iter().map(|(r, _)| r.clone()).collect();
+    if let Some(parsed) = official::parse(&raws, "ui_tars_strings_never_hold_the_parsers_syntax") {
+        for ((raw, ours), theirs) in written.iter().zip(&parsed) {
+            assert_eq!(&official::action(theirs), ours, "the official parser reads {raw} otherwise: {theirs}");
+        }
+    }
+}
