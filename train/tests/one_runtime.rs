@@ -328,7 +328,7 @@ fn language_agrees(language: ActionLanguage, path: &Path, inputs: &[StepInput]) 
     let token_side = model.image_config.geometry.factor();
     let trainer = lend(model, &PromptConfig { token_side, ..language_prompt(language) }, MAX_TOKENS).unwrap();
     let samples = samples(f, path, language_prompt(language));
-    let (cfg, backend, client) = language_server(language);
+    let (cfg, mut backend, client) = language_server(language);
     let text = |ids: &[u32]| eval.runtime().tokenizer().decode(ids, false).unwrap();
     let lead = language.answer_prefix();
     for (input, sample) in inputs.iter().zip(&samples) {
@@ -360,6 +360,13 @@ fn language_agrees(language: ActionLanguage, path: &Path, inputs: &[StepInput]) 
         language.parse(target).unwrap_or_else(|e| panic!("{what}: {target}: {e}"));
         let (a, t) = (predict(&eval, input), predict(&trainer, input));
         assert!(a.same_answer(&t), "{what}: {a:?} vs {t:?}");
+        // The server answers the same text, and the same action in screen pixels.
+        let s = backend.step(&job, &|| false).unwrap_or_else(|e| panic!("{what}: the server: {e}"));
+        assert_eq!(
+            (s.raw.as_str(), Some(&s.action)),
+            (a.raw.as_str(), a.action.as_ref()),
+            "{what}: the server answers otherwise"
+        );
         assert!(a.raw.starts_with(lead), "{what}: the answer is the language's text: {}", a.raw);
         assert!(a.parse_error.is_none(), "{what}: the constrained answer parses: {a:?}");
     }
