@@ -39,7 +39,7 @@ pub(crate) struct Schema<'a> {
 /// (quotes and backslashes are never string tokens; whitespace at the end may still be followed).
 fn says_no_syntax(s: &str) -> bool {
     let body = s.trim_end();
-    body.is_empty() && s.is_empty() || (!body.is_empty() && py_escape(body) == body)
+    !body.is_empty() && py_escape(body) == body
 }
 
 /// `s` as the inside of a JSON string.

@@ -225,6 +225,8 @@ pub async fn session_step(
             "observation.earlier_screenshots: a session keeps its earlier screenshots itself; send the current one",
         ));
     }
+    // How many screenshots the session keeps: read before the step, so nothing can fail after it.
+    let keep = state.engine.info()?.history_images;
     let (session, lease) = state.sessions.begin_step(&id)?;
     let req = AgentStepRequest {
         history: session.context(),
@@ -235,7 +237,6 @@ pub async fn session_step(
     };
     // On an error (or the client leaving) the lease is dropped: the session is freed, its history unchanged.
     let (resp, screenshot) = run_step(&state, req, Some(session.screenshots)).await?;
-    let keep = state.engine.info()?.history_images;
     let action = resp.screen_action.clone().unwrap_or_else(|| resp.action.clone());
     state.sessions.finish_step(lease, action, screenshot, keep);
     Ok(HttpResponse::Ok().json(resp))

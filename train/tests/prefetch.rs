@@ -10,12 +10,12 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use askgui_model::{load_image, pixel_rows, preprocess, ImageProcessorConfig, QwenTokenizer};
+use askgui_model::{load_image, pixel_rows, preprocess};
 use askgui_train::cli::from_args;
-use askgui_train::data::{self, DataOptions};
+use askgui_train::data;
 use askgui_train::{RunControl, TrainError};
 use candle_core::Device;
-use common::{config, episodes, fixture, scratch};
+use common::{config, data_options, episodes, scratch, tokenizer_and_images};
 
 /// Runs `f` on a thread; a run that takes over two minutes fails the test instead of hanging it.
 fn without_hanging<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
@@ -120,27 +120,8 @@ fn an_undecodable_screenshot_stops_the_run_with_the_inline_error() {
 fn a_samples_pixels_are_its_screenshots_rows_in_prompt_order() {
     let dir = scratch("prefetch-rows");
     let data = episodes(&dir, 1);
-    let tok = QwenTokenizer::from_file(&fixture().join("tokenizer.json"), None).unwrap();
-    let mut images = ImageProcessorConfig::from_file(&fixture().join("preprocessor_config.json")).unwrap();
-    images.max_pixels = 12544;
-    let prompt = askgui_data::PromptConfig {
-        min_pixels: images.min_pixels,
-        max_pixels: images.max_pixels,
-        history_images: 1,
-        ..Default::default()
-    };
-    let opts = DataOptions {
-        prompt,
-        task_mode: Default::default(),
-        extra_task_modes: vec![],
-        history_length: 0,
-        max_seq_len: 8192,
-        skip_bad_records: false,
-        ask_repeat: 1,
-        say_repeat: 1,
-        dialog_repeat: 1,
-        region_words: false,
-    };
+    let (tok, images) = tokenizer_and_images();
+    let opts = data_options(1);
     let set = data::load_dataset(&data, &opts, &tok, &images).unwrap();
     let two = set.samples.iter().find(|s| s.images.len() == 2).expect("a sample with an earlier screenshot");
     let got = data::example(two, &set.path, &images, &Device::Cpu).unwrap().pixel_values.unwrap();

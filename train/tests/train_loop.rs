@@ -11,40 +11,14 @@ use std::path::Path;
 
 use askgui_data::synth::{synth, SynthArgs};
 use askgui_data::PromptConfig;
-use askgui_model::{ImageProcessorConfig, QwenTokenizer};
 use askgui_train::cli::from_args;
 use askgui_train::data::{self, DataOptions};
 use askgui_train::snapshot;
 use askgui_train::{RunControl, TrainError};
-use common::{config, episodes, fixture, scratch};
+use common::{config, data_options, episodes, fixture, scratch, tokenizer_and_images};
 
 fn none() -> RunControl {
     RunControl::default()
-}
-
-/// The fixture's tokenizer and image processor with the tests' small max_pixels.
-fn tokenizer_and_images() -> (QwenTokenizer, ImageProcessorConfig) {
-    let tok = QwenTokenizer::from_file(&fixture().join("tokenizer.json"), None).unwrap();
-    let mut images = ImageProcessorConfig::from_file(&fixture().join("preprocessor_config.json")).unwrap();
-    images.max_pixels = 12544;
-    (tok, images)
-}
-
-/// What the trainer passes to the data loader for default flags and the tests' max_pixels.
-fn data_options() -> DataOptions {
-    let (_, images) = tokenizer_and_images();
-    DataOptions {
-        prompt: PromptConfig { min_pixels: images.min_pixels, max_pixels: images.max_pixels, ..Default::default() },
-        task_mode: Default::default(),
-        extra_task_modes: vec![],
-        history_length: 0,
-        max_seq_len: 8192,
-        skip_bad_records: false,
-        ask_repeat: 1,
-        say_repeat: 1,
-        dialog_repeat: 1,
-        region_words: false,
-    }
 }
 
 #[test]
@@ -137,7 +111,7 @@ fn bad_records_are_reported_with_their_line_or_skipped_and_counted() {
     assert!(matches!(e, TrainError::BadRecord { line: 2, .. }), "{e}");
     assert!(e.to_string().contains("train.jsonl:2:"), "{e}");
 
-    let skip = DataOptions { skip_bad_records: true, ..data_options() };
+    let skip = DataOptions { skip_bad_records: true, ..data_options(0) };
     let (tok, images) = tokenizer_and_images();
     let d = data::load_dataset(&data, &skip, &tok, &images).unwrap();
     assert_eq!((d.stats.records, d.stats.bad_records), (4, 1));
@@ -166,12 +140,12 @@ fn long_samples_lose_their_oldest_history_and_are_counted() {
     let dir = scratch("long");
     let data = episodes(&dir, 3);
     let (tok, images) = tokenizer_and_images();
-    let all = data::load_dataset(&data, &data_options(), &tok, &images).unwrap();
+    let all = data::load_dataset(&data, &data_options(0), &tok, &images).unwrap();
     assert_eq!((all.stats.truncated, all.stats.too_long, all.stats.screen_mismatch), (0, 0, 0));
     // A context at the mean length: the later steps of each episode (longer histories) must be cut, and
     // a sample that is too long even without history is left out.
     let limit = all.stats.tokens / all.stats.samples;
-    let cut = data::load_dataset(&data, &DataOptions { max_seq_len: limit, ..data_options() }, &tok, &images).unwrap();
+    let cut = data::load_dataset(&data, &DataOptions { max_seq_len: limit, ..data_options(0) }, &tok, &images).unwrap();
     let st = &cut.stats;
     eprintln!("{:?}\n{st:?}", all.stats);
     assert!(st.truncated > 0, "{st:?}");
@@ -294,7 +268,7 @@ fn only_the_target_is_supervised_and_images_get_their_pads() {
     let dir = scratch("mask");
     let data = episodes(&dir, 1);
     let (tok, images) = tokenizer_and_images();
-    let d = data::load_dataset(&data, &data_options(), &tok, &images).unwrap();
+    let d = data::load_dataset(&data, &data_options(0), &tok, &images).unwrap();
     for s in &d.samples {
         let target: Vec<u32> = s.ids.iter().zip(&s.labels_mask).filter(|(_, &m)| m).map(|(&t, _)| t).collect();
         let text = tok.decode(&target, false).unwrap();
@@ -338,7 +312,7 @@ fn region_targets_name_what_each_screen_token_shows() {
     let (tok, mut images) = tokenizer_and_images();
     images.max_pixels = 57_344;
     let prompt = PromptConfig { min_pixels: images.min_pixels, max_pixels: images.max_pixels, ..Default::default() };
-    let opts = DataOptions { prompt, region_words: true, ..data_options() };
+    let opts = DataOptions { prompt, region_words: true, ..data_options(0) };
     let d = data::load_dataset(&data, &opts, &tok, &images).unwrap();
     assert!(data::load_dataset(&data, &DataOptions { region_words: false, ..opts.clone() }, &tok, &images)
         .unwrap()

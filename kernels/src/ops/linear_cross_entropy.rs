@@ -50,13 +50,15 @@ pub fn linear_cross_entropy(h: &Tensor, w: &Tensor, labels: &Tensor, chunk: Opti
     let (need_dh, need_dw) = (h.track_op(), w.track_op());
     let (hc, wc) = (h.detach().contiguous()?, w.detach().contiguous()?);
     let labels = labels.detach().contiguous()?;
+    // Every row supervised: the cross-entropy's mask, narrowed for the last chunk.
+    let ones = Tensor::ones(chunk.min(n), hc.dtype(), hc.device())?;
     // The loss sums in f64 for f64 inputs, in f32 otherwise.
     let sum_dtype = if h.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
     let (mut total, mut dh, mut dw) = (None::<Tensor>, Vec::new(), None::<Tensor>);
     for start in (0..n).step_by(chunk) {
         let c = chunk.min(n - start);
         let (h_c, labels_c) = (hc.narrow(0, start, c)?, labels.narrow(0, start, c)?);
-        let ones = Tensor::ones(c, hc.dtype(), hc.device())?;
+        let ones = ones.narrow(0, 0, c)?;
         // (C, H) @ (V, H)^T -> (C, V); the chunk's mean loss, weighted by its share of the rows.
         let logits = frozen_linear(&h_c, &wc)?;
         let ce = CrossEntropyMasked::new(None);

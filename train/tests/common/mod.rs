@@ -5,7 +5,10 @@
 use std::path::{Path, PathBuf};
 
 use askgui_data::synth::{synth, SynthArgs};
+use askgui_data::PromptConfig;
+use askgui_model::{ImageProcessorConfig, QwenTokenizer};
 use askgui_train::cli::from_args;
+use askgui_train::data::DataOptions;
 use askgui_train::TrainConfig;
 
 pub fn fixture() -> PathBuf {
@@ -134,4 +137,31 @@ impl Running {
 /// Runs `mpirun -np ranks exe args...` to its end or `deadline` ([`Running::wait`]).
 pub fn mpirun_job(mpirun: &Path, ranks: usize, exe: &str, args: &[String], deadline: std::time::Duration) -> Job {
     mpirun_start(mpirun, ranks, exe, args).wait(deadline)
+}
+
+/// The fixture's tokenizer and image processor with the tests' small max_pixels.
+pub fn tokenizer_and_images() -> (QwenTokenizer, ImageProcessorConfig) {
+    let tok = QwenTokenizer::from_file(&fixture().join("tokenizer.json"), None).unwrap();
+    let mut images = ImageProcessorConfig::from_file(&fixture().join("preprocessor_config.json")).unwrap();
+    images.max_pixels = 12544;
+    (tok, images)
+}
+
+/// What the trainer passes to the data loader for default flags, the tests' max_pixels and
+/// `--history-images history_images`.
+pub fn data_options(history_images: usize) -> DataOptions {
+    let (_, images) = tokenizer_and_images();
+    let (min_pixels, max_pixels) = (images.min_pixels, images.max_pixels);
+    DataOptions {
+        prompt: PromptConfig { min_pixels, max_pixels, history_images, ..Default::default() },
+        task_mode: Default::default(),
+        extra_task_modes: vec![],
+        history_length: 0,
+        max_seq_len: 8192,
+        skip_bad_records: false,
+        ask_repeat: 1,
+        say_repeat: 1,
+        dialog_repeat: 1,
+        region_words: false,
+    }
 }
